@@ -1,0 +1,69 @@
+# The Makefile only wraps set-up, build, test, demo and bench.
+# Everything bootstraps itself: a virtual environment in .venv, the Python
+# packages from PyPI, the system tools (iproute2, nftables, iperf3) with apt-get.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+DEPS   := $(VENV)/.deps-stamp
+BUILT  := $(VENV)/.build-stamp
+PYDEPS := meson-python meson ninja Cython click rich numpy pytest ruff scapy pyroute2 matplotlib
+
+.PHONY: all build demo test test-py test-c asan lint sysdeps bench clean
+
+all: build
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(DEPS): pyproject.toml | $(PY)
+	$(PY) -m pip install -q $(PYDEPS)
+	touch $@
+
+# Editable install: meson-python rebuilds the C core and the Cython binding
+# on import whenever a source changed.
+$(BUILT): $(DEPS) meson.build src_c/meson.build pyproject.toml
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+build: $(BUILT)
+	$(PY) -c "import mrc; print('mrc', mrc.__version__, 'built')"
+
+# System tools the namespace fabric, the tests and the benchmarks use.
+SYSTOOLS := ip:iproute2 nft:nftables iperf3:iperf3 tc:iproute2
+sysdeps:
+	@missing=""; for t in $(SYSTOOLS); do cmd=$${t%%:*}; pkg=$${t##*:}; \
+	  command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing:$$missing"; apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "note: missing system tools:$$missing (namespace tests will skip)"; fi; \
+	fi
+
+demo: build sysdeps
+	$(PY) tools/demo.py
+
+test: build sysdeps asan lint test-py
+
+test-py: build
+	$(PY) -m pytest -q -ra tests
+
+# The C core on its own, under AddressSanitizer + UndefinedBehaviorSanitizer.
+asan:
+	$(MAKE) -C src_c asan-test
+
+test-c:
+	$(MAKE) -C src_c test
+
+lint: $(DEPS)
+	$(VENV)/bin/ruff check mrc tests tools benchmarks
+	$(VENV)/bin/ruff format --check mrc tests tools benchmarks
+
+bench: build sysdeps
+	$(PY) benchmarks/loopback_bw.py
+
+clean:
+	rm -rf build builddir src_c/build
+	$(MAKE) -C src_c clean

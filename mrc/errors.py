@@ -1,0 +1,39 @@
+"""The exceptions mrc raises. Every datapath error code maps to one of these."""
+
+from __future__ import annotations
+
+
+class MrcError(Exception):
+    """Base class of every mrc error."""
+
+
+class UsageError(MrcError, ValueError):
+    """A call was made with arguments that can never work (bad size, bad address...)."""
+
+
+class TimeoutError(MrcError, TimeoutError):  # noqa: A001 - deliberately shadows the builtin
+    """An operation did not complete in time: the peer stopped answering on every path."""
+
+
+class PathDownError(MrcError):
+    """No path to the peer is usable (every path failed and none healed in time)."""
+
+
+class KeyRejectedError(MrcError):
+    """The peer refused a WRITE: unknown remote key, or outside the region's bounds."""
+
+
+class ConnectionClosedError(MrcError):
+    """The connection was closed (locally, by the peer, or after a fatal error)."""
+
+
+class UnreachableError(MrcError, ConnectionError):
+    """The peer could not be reached to set up a connection."""
+
+
+class ProtocolError(MrcError):
+    """The peer speaks another version of the mrc protocol or sent an invalid hello."""
+
+
+class TruncatedError(MrcError):
+    """A SEND carried more bytes than the matching RECV buffer holds."""
