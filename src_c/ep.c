@@ -1,0 +1,545 @@
+/* ep.c - endpoints, regions, posting and completing operations (API side). */
+#include "internal.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+const char *mrc_strerror(int rc)
+{
+    switch (rc) {
+    case 0: return "success";
+    case MRC_EKEY: return "remote key rejected by the peer";
+    case MRC_EBOUNDS: return "write outside the remote region's bounds";
+    case MRC_ETIMEOUT: return "no progress on any path within the timeout";
+    case MRC_EPATHDOWN: return "every path to the peer has failed";
+    case MRC_ECLOSED: return "connection closed";
+    case MRC_EPROTO: return "protocol mismatch with the peer";
+    case MRC_ETRUNC: return "message larger than the receive buffer";
+    case MRC_EUNREACH: return "peer unreachable";
+    case MRC_EUSAGE: return "invalid argument";
+    case MRC_EREMOTE: return "connection failed after a remote access error";
+    case MRC_ENOBUFS: return "table full";
+    default: return rc < 0 && rc > -4096 ? strerror(-rc) : "unknown error";
+    }
+}
+
+const char *mrc_drop_str(int reason)
+{
+    static const char *const names[MRC_DROP_MAX] = {
+#define MRC_X_STR(name, str) str,
+        MRC_DROP_REASONS(MRC_X_STR)
+#undef MRC_X_STR
+    };
+    return reason >= 0 && reason < MRC_DROP_MAX ? names[reason] : "?";
+}
+
+uint64_t rand_u64(void)
+{
+    uint64_t v = 0;
+    /* getrandom on a 8-byte request does not return short. */
+    if (getrandom(&v, sizeof(v), 0) != (ssize_t)sizeof(v))
+        v = now_ns() * 0x9E3779B97F4A7C15ull;
+    return v;
+}
+
+int addr_parse(const char *s, uint16_t port, struct sockaddr_storage *ss, socklen_t *len)
+{
+    memset(ss, 0, sizeof(*ss));
+    struct sockaddr_in *in4 = (struct sockaddr_in *)ss;
+    struct sockaddr_in6 *in6 = (struct sockaddr_in6 *)ss;
+    if (inet_pton(AF_INET, s, &in4->sin_addr) == 1) {
+        in4->sin_family = AF_INET;
+        in4->sin_port = htons(port);
+        *len = sizeof(*in4);
+        return 0;
+    }
+    if (inet_pton(AF_INET6, s, &in6->sin6_addr) == 1) {
+        in6->sin6_family = AF_INET6;
+        in6->sin6_port = htons(port);
+        *len = sizeof(*in6);
+        return 0;
+    }
+    return MRC_EUSAGE;
+}
+
+void addr_format(const struct sockaddr_storage *ss, char *buf, size_t len)
+{
+    const void *a = ss->ss_family == AF_INET
+                        ? (const void *)&((const struct sockaddr_in *)ss)->sin_addr
+                        : (const void *)&((const struct sockaddr_in6 *)ss)->sin6_addr;
+    if (!inet_ntop(ss->ss_family, a, buf, (socklen_t)len))
+        snprintf(buf, len, "?");
+}
+
+bool addr_same_host(const struct sockaddr_storage *a, const struct sockaddr_storage *b)
+{
+    if (a->ss_family != b->ss_family)
+        return false;
+    if (a->ss_family == AF_INET)
+        return ((const struct sockaddr_in *)a)->sin_addr.s_addr ==
+               ((const struct sockaddr_in *)b)->sin_addr.s_addr;
+    return memcmp(&((const struct sockaddr_in6 *)a)->sin6_addr,
+                  &((const struct sockaddr_in6 *)b)->sin6_addr, 16) == 0;
+}
+
+void mrc_ep_config_init(struct mrc_ep_config *cfg)
+{
+    memset(cfg, 0, sizeof(*cfg));
+}
+
+/* MRC_LOSS="PLANE:PROB,..." or "all:PROB": loss injection without code. */
+static int ep_env_loss(mrc_ep *ep)
+{
+    const char *env = getenv("MRC_LOSS");
+    if (!env || !*env)
+        return 0;
+    char buf[256];
+    snprintf(buf, sizeof(buf), "%s", env);
+    char *save = NULL;
+    for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        char *colon = strchr(tok, ':');
+        if (!colon)
+            return MRC_EUSAGE;
+        *colon = 0;
+        char *end;
+        double p = strtod(colon + 1, &end);
+        if (*end || p < 0 || p > 1)
+            return MRC_EUSAGE;
+        if (strcmp(tok, "all") == 0) {
+            for (int i = 0; i < ep->nplanes; i++)
+                ep->planes[i].tx_loss = p;
+        } else {
+            long i = strtol(tok, &end, 10);
+            if (*end || i < 0 || i >= ep->nplanes)
+                return MRC_EUSAGE;
+            ep->planes[i].tx_loss = p;
+        }
+    }
+    return 0;
+}
+
+int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out)
+{
+    if (cfg->nplanes < 1 || cfg->nplanes > MRC_MAX_PLANES)
+        return MRC_EUSAGE;
+    if (cfg->mss > MRC_MAX_MSS || (cfg->mss && cfg->mss < 64))
+        return MRC_EUSAGE;
+    if (cfg->window && (cfg->window & (cfg->window - 1) || cfg->window < 64 ||
+                        cfg->window > (1u << 20)))
+        return MRC_EUSAGE;
+    mrc_ep *ep = calloc(1, sizeof(*ep));
+    if (!ep)
+        return -ENOMEM;
+    int rc = 0;
+    ep->cfg = *cfg;
+    if (!ep->cfg.mss)
+        ep->cfg.mss = MRC_DEFAULT_MSS;
+    if (!ep->cfg.timeout_ms)
+        ep->cfg.timeout_ms = 5000;
+    if (!ep->cfg.sockbuf)
+        ep->cfg.sockbuf = 8u << 20;
+    if (!ep->cfg.window)
+        ep->cfg.window = 4096;
+    ep->nplanes = cfg->nplanes;
+    ep->epfd = ep->evfd = ep->listen_fd = -1;
+    ep->rng = rand_u64() | 1;
+    for (uint32_t i = 1; i < MRC_SLOTS; i++) { /* slot 0 unused: ids are never 0 */
+        ep->conn_free[ep->nconn_free++] = MRC_SLOTS - i;
+        ep->mr_free[ep->nmr_free++] = MRC_SLOTS - i;
+    }
+    pthread_mutex_init(&ep->lock, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&ep->cv, &ca);
+    pthread_condattr_destroy(&ca);
+
+    ep->rx_slot = (uint32_t)((MRC_DATA_HDR_LEN + ep->cfg.mss + 64 + 63) & ~63u);
+    ep->rxbuf = aligned_alloc(64, (size_t)MRC_BATCH * ep->rx_slot);
+    ep->epfd = epoll_create1(EPOLL_CLOEXEC);
+    ep->evfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (!ep->rxbuf || ep->epfd < 0 || ep->evfd < 0) {
+        rc = -errno ? -errno : -ENOMEM;
+        goto err_free;
+    }
+    struct epoll_event ev = {.events = EPOLLIN, .data.u32 = UINT32_MAX};
+    if (epoll_ctl(ep->epfd, EPOLL_CTL_ADD, ep->evfd, &ev) < 0) {
+        rc = -errno;
+        goto err_free;
+    }
+    for (int i = 0; i < ep->nplanes; i++) {
+        snprintf(ep->planes[i].addr_str, MRC_ADDR_STRLEN, "%s", cfg->planes[i]);
+        rc = sock_open_plane(ep, i);
+        if (rc)
+            goto err_socks;
+    }
+    rc = ep_env_loss(ep);
+    if (rc)
+        goto err_socks;
+    rc = -pthread_create(&ep->thread, NULL, engine_main, ep);
+    if (rc)
+        goto err_socks;
+    *out = ep;
+    return 0;
+
+err_socks:
+    for (int i = 0; i < ep->nsocks; i++) {
+        close(ep->socks[i]->fd);
+        free(ep->socks[i]);
+    }
+err_free:
+    if (ep->epfd >= 0)
+        close(ep->epfd);
+    if (ep->evfd >= 0)
+        close(ep->evfd);
+    free(ep->rxbuf);
+    pthread_mutex_destroy(&ep->lock);
+    pthread_cond_destroy(&ep->cv);
+    free(ep);
+    return rc;
+}
+
+void mrc_ep_destroy(mrc_ep *ep)
+{
+    if (!ep)
+        return;
+    pthread_mutex_lock(&ep->lock);
+    ep->stopping = true;
+    pthread_mutex_unlock(&ep->lock);
+    ep_wake(ep);
+    pthread_join(ep->thread, NULL);
+    /* The thread failed every pending op and freed every connection's
+     * datapath state before it returned (engine_main). */
+    for (int i = 0; i < ep->nsocks; i++) {
+        close(ep->socks[i]->fd);
+        free(ep->socks[i]);
+    }
+    if (ep->listen_fd >= 0)
+        close(ep->listen_fd);
+    close(ep->epfd);
+    close(ep->evfd);
+    free(ep->rxbuf);
+    pthread_mutex_destroy(&ep->lock);
+    pthread_cond_destroy(&ep->cv);
+    free(ep);
+}
+
+int mrc_ep_nplanes(const mrc_ep *ep) { return ep->nplanes; }
+
+int mrc_ep_plane(const mrc_ep *ep, int plane, char *addr, size_t addrlen, uint16_t *port)
+{
+    if (plane < 0 || plane >= ep->nplanes)
+        return MRC_EUSAGE;
+    if (addr)
+        addr_format(&ep->planes[plane].addr, addr, addrlen);
+    if (port)
+        *port = ep->planes[plane].port;
+    return 0;
+}
+
+void ep_wake(mrc_ep *ep)
+{
+    uint64_t one = 1;
+    /* A full eventfd counter still wakes the thread: ignore EAGAIN. */
+    if (write(ep->evfd, &one, sizeof(one)) < 0) {
+    }
+}
+
+/* Runs a control request on the progress thread and waits for it. */
+int ep_ctl(mrc_ep *ep, struct ctl *c)
+{
+    c->done = false;
+    c->next = NULL;
+    pthread_mutex_lock(&ep->lock);
+    if (ep->stopping) {
+        pthread_mutex_unlock(&ep->lock);
+        return MRC_ECLOSED;
+    }
+    if (ep->ctlq_tail)
+        ep->ctlq_tail->next = c;
+    else
+        ep->ctlq_head = c;
+    ep->ctlq_tail = c;
+    pthread_mutex_unlock(&ep->lock);
+    ep_wake(ep);
+    pthread_mutex_lock(&ep->lock);
+    while (!c->done)
+        pthread_cond_wait(&ep->cv, &ep->lock);
+    pthread_mutex_unlock(&ep->lock);
+    return c->rc;
+}
+
+int mrc_ep_inject(mrc_ep *ep, int plane, double tx_loss, int down)
+{
+    if (plane < 0 || plane >= ep->nplanes || !(tx_loss >= 0 && tx_loss <= 1))
+        return MRC_EUSAGE;
+    struct ctl c = {.type = CTL_INJECT, .iarg = plane, .arg = &tx_loss, .arg2 = &down};
+    return ep_ctl(ep, &c);
+}
+
+int mrc_ep_stats(mrc_ep *ep, struct mrc_ep_stats *st, struct mrc_path_stats *paths,
+                 int max_paths)
+{
+    struct ctl c = {.type = CTL_STATS, .arg = st, .arg2 = paths, .iarg = paths ? max_paths : 0};
+    return ep_ctl(ep, &c);
+}
+
+/* ---- regions ------------------------------------------------------------- */
+
+int mrc_mr_reg(mrc_ep *ep, void *addr, size_t len, int access, mrc_mr **out)
+{
+    if ((!addr && len) || (access & ~MRC_ACCESS_REMOTE_WRITE))
+        return MRC_EUSAGE;
+    mrc_mr *mr = calloc(1, sizeof(*mr));
+    if (!mr)
+        return -ENOMEM;
+    pthread_mutex_lock(&ep->lock);
+    if (!ep->nmr_free) {
+        pthread_mutex_unlock(&ep->lock);
+        free(mr);
+        return MRC_ENOBUFS;
+    }
+    uint32_t slot = ep->mr_free[--ep->nmr_free];
+    pthread_mutex_unlock(&ep->lock);
+    mr->ep = ep;
+    mr->addr = addr;
+    mr->len = len;
+    mr->access = access;
+    /* 48 random bits above the slot: a peer that guesses keys has to hit
+     * both the slot and 2^48 choices. */
+    mr->key = (rand_u64() << 16) | slot;
+    struct ctl c = {.type = CTL_MR_ADD, .arg = mr};
+    int rc = ep_ctl(ep, &c);
+    if (rc) {
+        pthread_mutex_lock(&ep->lock);
+        ep->mr_free[ep->nmr_free++] = slot;
+        pthread_mutex_unlock(&ep->lock);
+        free(mr);
+        return rc;
+    }
+    *out = mr;
+    return 0;
+}
+
+uint64_t mrc_mr_key(const mrc_mr *mr) { return mr->key; }
+
+void mrc_mr_dereg(mrc_mr *mr)
+{
+    if (!mr)
+        return;
+    mrc_ep *ep = mr->ep;
+    struct ctl c = {.type = CTL_MR_DEL, .arg = mr};
+    ep_ctl(ep, &c); /* fails only if the engine stopped, which also unmaps it */
+    pthread_mutex_lock(&ep->lock);
+    ep->mr_free[ep->nmr_free++] = (uint32_t)(mr->key & 0xffff);
+    pthread_mutex_unlock(&ep->lock);
+    free(mr);
+}
+
+/* ---- operations ---------------------------------------------------------- */
+
+static int op_post(mrc_conn *c, mrc_op *op, mrc_op **out)
+{
+    mrc_ep *ep = c->ep;
+    atomic_init(&op->refs, 2);
+    pthread_mutex_lock(&ep->lock);
+    if (ep->stopping || c->state != CONN_ACTIVE) {
+        int err = c->state == CONN_ACTIVE ? MRC_ECLOSED : (c->error ? c->error : MRC_ECLOSED);
+        pthread_mutex_unlock(&ep->lock);
+        free(op);
+        return err;
+    }
+    op->qnext = NULL;
+    if (ep->subq_tail)
+        ep->subq_tail->qnext = op;
+    else
+        ep->subq_head = op;
+    ep->subq_tail = op;
+    bool wake = ep->sleeping;
+    pthread_mutex_unlock(&ep->lock);
+    if (wake)
+        ep_wake(ep);
+    *out = op;
+    return 0;
+}
+
+static mrc_op *op_new(mrc_conn *c, int kind, mrc_mr *lmr, uint64_t loff, uint64_t len)
+{
+    if (!c || !lmr || lmr->ep != c->ep || len > lmr->len || loff > lmr->len - len)
+        return NULL;
+    mrc_op *op = calloc(1, sizeof(*op));
+    if (!op)
+        return NULL;
+    op->kind = kind;
+    op->ep = c->ep;
+    op->conn = c;
+    op->mr = lmr;
+    op->loff = loff;
+    op->len = len;
+    return op;
+}
+
+int mrc_post_write(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t rkey,
+                   uint64_t roff, uint32_t imm, int flags, mrc_op **out)
+{
+    if (flags & ~MRC_WRITE_IMM)
+        return MRC_EUSAGE;
+    mrc_op *op = op_new(c, MRC_OP_WRITE, lmr, loff, len);
+    if (!op)
+        return MRC_EUSAGE;
+    op->rkey = rkey;
+    op->roff = roff;
+    op->imm = imm;
+    op->flags = flags;
+    return op_post(c, op, out);
+}
+
+int mrc_post_send(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t tag,
+                  mrc_op **out)
+{
+    mrc_op *op = op_new(c, MRC_OP_SEND, lmr, loff, len);
+    if (!op)
+        return MRC_EUSAGE;
+    op->tag = tag;
+    return op_post(c, op, out);
+}
+
+int mrc_post_recv(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t tag,
+                  mrc_op **out)
+{
+    mrc_op *op = op_new(c, MRC_OP_RECV, lmr, loff, len);
+    if (!op)
+        return MRC_EUSAGE;
+    op->tag = tag;
+    return op_post(c, op, out);
+}
+
+static void op_unref(mrc_op *op)
+{
+    if (atomic_fetch_sub(&op->refs, 1) == 1)
+        free(op);
+}
+
+static int wait_until(mrc_ep *ep, int timeout_ms, const struct timespec *dl)
+{
+    if (timeout_ms < 0)
+        return pthread_cond_wait(&ep->cv, &ep->lock);
+    return pthread_cond_timedwait(&ep->cv, &ep->lock, dl);
+}
+
+static struct timespec deadline(int timeout_ms)
+{
+    struct timespec dl;
+    clock_gettime(CLOCK_MONOTONIC, &dl);
+    if (timeout_ms > 0) {
+        dl.tv_sec += timeout_ms / 1000;
+        dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+        if (dl.tv_nsec >= 1000000000L) {
+            dl.tv_sec++;
+            dl.tv_nsec -= 1000000000L;
+        }
+    }
+    return dl;
+}
+
+int mrc_op_wait(mrc_op *op, int timeout_ms)
+{
+    mrc_ep *ep = op->ep;
+    struct timespec dl = deadline(timeout_ms);
+    int rc = 0;
+    pthread_mutex_lock(&ep->lock);
+    while (!op->done && rc != ETIMEDOUT) {
+        if (timeout_ms == 0) {
+            rc = ETIMEDOUT;
+            break;
+        }
+        rc = wait_until(ep, timeout_ms, &dl);
+    }
+    int done = op->done;
+    pthread_mutex_unlock(&ep->lock);
+    return done ? 0 : -ETIMEDOUT;
+}
+
+int mrc_op_done(mrc_op *op) { return mrc_op_wait(op, 0) == 0; }
+
+void mrc_op_result(mrc_op *op, struct mrc_op_result *res)
+{
+    mrc_ep *ep = op->ep;
+    pthread_mutex_lock(&ep->lock);
+    res->status = op->done ? op->status : -EINPROGRESS;
+    res->kind = op->kind;
+    res->bytes = op->res_bytes;
+    res->tag = op->res_tag;
+    pthread_mutex_unlock(&ep->lock);
+}
+
+void mrc_op_release(mrc_op *op)
+{
+    if (op)
+        op_unref(op);
+}
+
+int mrc_conn_wait_imm(mrc_conn *c, int timeout_ms, uint32_t *imm, uint64_t *len)
+{
+    mrc_ep *ep = c->ep;
+    struct timespec dl = deadline(timeout_ms);
+    int rc = 0;
+    pthread_mutex_lock(&ep->lock);
+    while (!c->imm_head && rc != ETIMEDOUT && c->state == CONN_ACTIVE) {
+        if (timeout_ms == 0) {
+            rc = ETIMEDOUT;
+            break;
+        }
+        rc = wait_until(ep, timeout_ms, &dl);
+    }
+    struct imm_ev *ev = c->imm_head;
+    if (ev) {
+        c->imm_head = ev->next;
+        if (!c->imm_head)
+            c->imm_tail = NULL;
+    }
+    int state = c->state, err = c->error;
+    pthread_mutex_unlock(&ep->lock);
+    if (!ev)
+        return state == CONN_ACTIVE ? -ETIMEDOUT : (err ? err : MRC_ECLOSED);
+    *imm = ev->imm;
+    *len = ev->len;
+    free(ev);
+    return 0;
+}
+
+/* ---- progress-thread side of completion ---------------------------------- */
+
+/* Queues op's completion; ep_publish_pt makes a batch visible at once. */
+void op_complete_pt(mrc_ep *ep, mrc_op *op, int status)
+{
+    op->pt_status = status;
+    op->qnext = ep->done_head;
+    ep->done_head = op;
+}
+
+void ep_publish_pt(mrc_ep *ep)
+{
+    if (!ep->done_head)
+        return;
+    mrc_op *list = ep->done_head;
+    ep->done_head = NULL;
+    pthread_mutex_lock(&ep->lock);
+    for (mrc_op *op = list; op; op = op->qnext) {
+        op->status = op->pt_status;
+        op->done = 1;
+    }
+    pthread_cond_broadcast(&ep->cv);
+    pthread_mutex_unlock(&ep->lock);
+    for (mrc_op *op = list, *n; op; op = n) {
+        n = op->qnext;
+        op_unref(op);
+    }
+}

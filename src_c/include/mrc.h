@@ -1,0 +1,221 @@
+/*
+ * mrc.h - public C API of the mrc datapath.
+ *
+ * A multipath, RDMA-style reliable transport over UDP: every connection sprays
+ * its packets over all healthy paths (NIC planes x source routes), tracks each
+ * path's delay and loss, retransmits lost packets on another path, and places
+ * data straight into registered memory on arrival.
+ *
+ * Threading: every endpoint runs one progress thread that owns all datapath
+ * state. The functions below may be called from any thread; they post work to
+ * the progress thread and never touch packets themselves. No function here
+ * calls back into the caller.
+ *
+ * Errors: functions return 0 or a negative code: -errno for system errors, or
+ * one of MRC_E* below. mrc_strerror() names either kind.
+ */
+#ifndef MRC_H
+#define MRC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MRC_VERSION_MAJOR 0
+#define MRC_VERSION_MINOR 1
+
+#define MRC_MAX_PLANES 16   /* local NIC planes per endpoint */
+#define MRC_MAX_PATHS 64    /* paths per connection */
+#define MRC_MAX_SEGS 8      /* SRv6 segments per path */
+#define MRC_ADDR_STRLEN 64
+
+/* mrc's own error codes (negative; -errno values are below 4096). */
+enum mrc_err {
+    MRC_EKEY = -5001,      /* remote refused a WRITE: unknown key */
+    MRC_EBOUNDS = -5002,   /* remote refused a WRITE: outside the region */
+    MRC_ETIMEOUT = -5003,  /* no progress on any path within the timeout */
+    MRC_EPATHDOWN = -5004, /* every path to the peer has failed */
+    MRC_ECLOSED = -5005,   /* connection closed (locally or by the peer) */
+    MRC_EPROTO = -5006,    /* peer speaks another protocol version / bad hello */
+    MRC_ETRUNC = -5007,    /* SEND larger than the matching RECV buffer */
+    MRC_EUNREACH = -5008,  /* could not reach the peer to connect */
+    MRC_EUSAGE = -5009,    /* invalid argument for this call */
+    MRC_EREMOTE = -5010,   /* connection failed after a remote access error */
+    MRC_ENOBUFS = -5011,   /* a fixed-size table is full */
+};
+
+const char *mrc_strerror(int rc);
+
+typedef struct mrc_ep mrc_ep;
+typedef struct mrc_conn mrc_conn;
+typedef struct mrc_mr mrc_mr;
+typedef struct mrc_op mrc_op;
+
+/* ---- endpoint ------------------------------------------------------------ */
+
+struct mrc_ep_config {
+    int nplanes;                            /* 1..MRC_MAX_PLANES */
+    char planes[MRC_MAX_PLANES][MRC_ADDR_STRLEN]; /* local addresses, v4 or v6 */
+    uint16_t udp_port;     /* 0: an ephemeral port per plane */
+    uint32_t mss;          /* payload bytes per packet; 0: 8192 */
+    uint32_t timeout_ms;   /* connection fails after this long without progress; 0: 5000 */
+    uint32_t sockbuf;      /* SO_RCVBUF/SO_SNDBUF bytes; 0: 8 MiB */
+    uint32_t window;       /* packets in flight per connection (power of 2); 0: 4096 */
+};
+
+void mrc_ep_config_init(struct mrc_ep_config *cfg);
+int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out);
+/* Stops the progress thread; every pending operation fails with MRC_ECLOSED. */
+void mrc_ep_destroy(mrc_ep *ep);
+int mrc_ep_nplanes(const mrc_ep *ep);
+/* The plane's bound address and UDP port. */
+int mrc_ep_plane(const mrc_ep *ep, int plane, char *addr, size_t addrlen, uint16_t *port);
+
+/* Fault injection on a local plane, for tests and tools: each packet sent on
+ * the plane is dropped with probability tx_loss; a plane marked down drops
+ * everything it sends and receives, as a dead cable would. */
+int mrc_ep_inject(mrc_ep *ep, int plane, double tx_loss, int down);
+
+/* ---- connection set-up (out-of-band TCP exchange on the first plane) ------ */
+
+/* A path: local plane, destination, optional SRv6 segment list (travel order,
+ * the last segment is the destination). Paths are numbered by the caller;
+ * path k must be the mirror of the peer's path k (same plane, same spine). */
+struct mrc_path_spec {
+    int id;              /* 0..MRC_MAX_PATHS-1 */
+    int plane;           /* local plane index */
+    char dst[MRC_ADDR_STRLEN];
+    int nsegs;           /* 0: plain IP */
+    char segs[MRC_MAX_SEGS][MRC_ADDR_STRLEN];
+};
+
+int mrc_ep_listen(mrc_ep *ep, const char *addr, uint16_t port, uint16_t *bound_port);
+/* A connection under construction: add paths, then connect or establish. */
+int mrc_conn_create(mrc_ep *ep, const char *name, mrc_conn **out);
+/* With no paths added, the connection uses plane k -> peer plane k. */
+int mrc_conn_add_path(mrc_conn *c, const struct mrc_path_spec *p);
+int mrc_conn_connect(mrc_conn *c, const char *addr, uint16_t port, int timeout_ms);
+/* Server side: waits for a hello; then the caller may add paths (it knows the
+ * peer's name) and must call mrc_conn_establish(). */
+int mrc_ep_accept(mrc_ep *ep, int timeout_ms, mrc_conn **out);
+int mrc_conn_establish(mrc_conn *c, int timeout_ms);
+const char *mrc_conn_peer_name(const mrc_conn *c);
+int mrc_conn_peer_plane(const mrc_conn *c, int plane, char *addr, size_t addrlen);
+int mrc_conn_npaths(const mrc_conn *c);
+/* Closes the connection: pending operations fail with MRC_ECLOSED. Frees it. */
+void mrc_conn_destroy(mrc_conn *c);
+/* 0 while usable, else the error that failed it. */
+int mrc_conn_error(const mrc_conn *c);
+
+/* ---- memory -------------------------------------------------------------- */
+
+#define MRC_ACCESS_REMOTE_WRITE 0x1
+
+int mrc_mr_reg(mrc_ep *ep, void *addr, size_t len, int access, mrc_mr **out);
+uint64_t mrc_mr_key(const mrc_mr *mr);
+/* Waits until the progress thread no longer places data into the region. */
+void mrc_mr_dereg(mrc_mr *mr);
+
+/* ---- operations ---------------------------------------------------------- */
+
+enum mrc_op_kind { MRC_OP_WRITE = 1, MRC_OP_SEND = 2, MRC_OP_RECV = 3 };
+
+/* RDMA WRITE of [loff, loff+len) of the local region to remote region rkey at
+ * roff. With MRC_WRITE_IMM the peer is told `imm` once every byte is placed
+ * (and every earlier operation is complete). */
+#define MRC_WRITE_IMM 0x1
+int mrc_post_write(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t rkey,
+                   uint64_t roff, uint32_t imm, int flags, mrc_op **out);
+int mrc_post_send(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t tag,
+                  mrc_op **out);
+/* A RECV with this tag matches a message of any tag. */
+#define MRC_TAG_ANY UINT64_MAX
+int mrc_post_recv(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t tag,
+                  mrc_op **out);
+
+/* 0 once the op completed (its status tells how), -ETIMEDOUT if not yet.
+ * timeout_ms < 0 waits forever. */
+int mrc_op_wait(mrc_op *op, int timeout_ms);
+int mrc_op_done(mrc_op *op);
+struct mrc_op_result {
+    int status;      /* 0 or a negative code */
+    int kind;        /* enum mrc_op_kind */
+    uint64_t bytes;  /* bytes transferred (RECV: message length) */
+    uint64_t tag;    /* RECV: tag of the matched message */
+};
+void mrc_op_result(mrc_op *op, struct mrc_op_result *res);
+/* Drops the caller's reference; the op may still be in flight. */
+void mrc_op_release(mrc_op *op);
+
+/* Immediate values of WRITE-with-immediate received on the connection, in
+ * order: 0 and the value, or -ETIMEDOUT. */
+int mrc_conn_wait_imm(mrc_conn *c, int timeout_ms, uint32_t *imm, uint64_t *len);
+
+/* ---- telemetry ----------------------------------------------------------- */
+
+enum mrc_path_state { MRC_PATH_GOOD = 0, MRC_PATH_SUSPECT, MRC_PATH_FAILED, MRC_PATH_PROBING };
+const char *mrc_path_state_str(int state);
+
+/* Drop reasons on the receive path; each has a counter (NONE: not a drop). */
+#define MRC_DROP_REASONS(X) \
+    X(NONE, "none")                 \
+    X(TRUNCATED, "truncated")       \
+    X(BAD_MAGIC, "bad_magic")       \
+    X(BAD_VERSION, "bad_version")   \
+    X(BAD_TYPE, "bad_type")         \
+    X(BAD_LENGTH, "bad_length")     \
+    X(UNKNOWN_CONN, "unknown_conn") \
+    X(BAD_PEER, "bad_peer")         \
+    X(PSN_WINDOW, "psn_window")     \
+    X(DUPLICATE, "duplicate")       \
+    X(BAD_KEY, "bad_key")           \
+    X(BAD_BOUNDS, "bad_bounds")     \
+    X(BAD_ACK, "bad_ack")           \
+    X(BAD_PATH, "bad_path")         \
+    X(BAD_MSG, "bad_msg")           \
+    X(NO_BUFFER, "no_buffer")       \
+    X(INJECTED, "injected")         \
+    X(CLOSED_CONN, "closed_conn")
+
+enum mrc_drop {
+#define MRC_X_ENUM(name, str) MRC_DROP_##name,
+    MRC_DROP_REASONS(MRC_X_ENUM)
+#undef MRC_X_ENUM
+    MRC_DROP_MAX
+};
+const char *mrc_drop_str(int reason);
+
+struct mrc_path_stats {
+    int conn_index;        /* which connection (order of creation among live ones) */
+    uint32_t conn_id;
+    int id, plane, state;
+    char dst[MRC_ADDR_STRLEN];
+    int nsegs;
+    uint64_t tx_pkts, tx_bytes, rx_pkts, rx_bytes;
+    uint64_t retx;           /* packets retransmitted that were first sent here */
+    uint64_t lost;           /* packets declared lost on this path */
+    uint64_t injected;       /* packets dropped by fault injection */
+    uint64_t probes;
+    uint64_t srtt_ns, base_rtt_ns, cwnd_bytes, inflight_bytes;
+    uint64_t state_changes;
+};
+
+struct mrc_ep_stats {
+    uint64_t drops[MRC_DROP_MAX];
+    uint64_t tx_pkts, rx_pkts, tx_bytes, rx_bytes, retx, acks_tx, acks_rx;
+    uint64_t loop_iters;
+    int nconns;
+    int npaths;     /* entries filled in paths[] */
+};
+
+/* Snapshot taken by the progress thread. paths may be NULL. */
+int mrc_ep_stats(mrc_ep *ep, struct mrc_ep_stats *st, struct mrc_path_stats *paths,
+                 int max_paths);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MRC_H */

@@ -1,0 +1,354 @@
+/*
+ * internal.h - datapath state shared by the src_c files. Not installed.
+ *
+ * Ownership: everything reachable from struct mrc_ep is owned by the progress
+ * thread, except the fields marked [lock], which are guarded by ep->lock, and
+ * [const], which are set before the progress thread first sees the object.
+ * Functions that may only run on the progress thread end in _pt.
+ */
+#ifndef MRC_INTERNAL_H
+#define MRC_INTERNAL_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "mrc.h"
+#include "wire.h"
+
+#define likely(x) __builtin_expect(!!(x), 1)
+#define unlikely(x) __builtin_expect(!!(x), 0)
+
+#define MRC_SLOTS 65536u        /* connection and region ids: (random << 16) | slot */
+#define MRC_BATCH 64            /* packets per sendmmsg/recvmmsg */
+#define MRC_MSGW 1024u          /* messages in flight per connection */
+#define MRC_DEFAULT_MSS 8192u
+#define MRC_MAX_MSS 65000u
+#define MRC_PKT_MAX (MRC_DATA_HDR_LEN + MRC_MAX_MSS)
+
+/* Timing policy (ns). */
+#define MRC_TIMER_NS 250000ull          /* timer scan period */
+#define MRC_MIN_RTO_NS 2000000ull       /* floor of a path's retransmit timeout */
+#define MRC_PROBE_INTERVAL_NS 5000000ull /* failed/probing paths are probed this often */
+#define MRC_KEEPALIVE_NS 50000000ull    /* idle paths of a busy connection */
+#define MRC_PROBES_TO_GOOD 3            /* consecutive probe answers that heal a path */
+#define MRC_LOSSES_TO_FAIL 3            /* consecutive loss events that fail a path */
+
+static inline uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* xorshift64*: fault injection and path tie-breaks, never keys. */
+static inline uint64_t rng_next(uint64_t *s)
+{
+    uint64_t x = *s;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *s = x;
+    return x * 0x2545F4914F6CDD1Dull;
+}
+
+/* ---- objects ------------------------------------------------------------- */
+
+struct mrc_mr {
+    mrc_ep *ep;        /* [const] */
+    uint8_t *addr;     /* [const] */
+    uint64_t len;      /* [const] */
+    uint64_t key;      /* [const] */
+    int access;        /* [const] */
+};
+
+struct mrc_op {
+    atomic_int refs;    /* the caller's reference + the progress thread's */
+    int kind;           /* [const] enum mrc_op_kind */
+    int flags;          /* [const] MRC_WRITE_IMM */
+    mrc_ep *ep;         /* [const] outlives the connection */
+    mrc_conn *conn;     /* [const] only the progress thread follows it */
+    mrc_mr *mr;         /* [const] local region */
+    uint64_t loff, len; /* [const] */
+    uint64_t rkey, roff, tag; /* [const] */
+    uint32_t imm;       /* [const] */
+    /* progress thread */
+    uint32_t msn;
+    uint64_t seg_off;   /* next byte to put in a packet */
+    uint32_t outstanding; /* packets sent and not yet acknowledged */
+    bool seg_done;      /* every packet of the op has been sent once */
+    int pt_status;      /* status decided by the progress thread */
+    uint64_t res_bytes, res_tag;
+    struct mrc_op *prev, *next; /* conn's txops / recvq list */
+    struct mrc_op *qnext;       /* submission or completion list */
+    /* [lock] */
+    int done, status;
+};
+
+/* One transmitted (or pending) packet, indexed by psn % window. */
+struct tx_pkt {
+    mrc_op *op;       /* NULL: slot free */
+    uint64_t off;     /* offset in the op */
+    uint64_t sent_ns;
+    uint32_t len;
+    uint32_t psn;
+    uint8_t path;
+    uint8_t flags;    /* wire flags */
+    uint8_t acked;
+    uint8_t lost;     /* queued for retransmission */
+    uint16_t ntx;
+};
+
+struct path {
+    int id, plane, sock;   /* sock: index in ep->socks */
+    struct sockaddr_storage dst;
+    socklen_t dstlen;
+    int nsegs;
+    struct in6_addr segs[MRC_MAX_SEGS];
+    char dst_str[MRC_ADDR_STRLEN];
+    int state;             /* enum mrc_path_state */
+    uint64_t state_since;
+    /* delay and congestion */
+    uint64_t srtt, rttvar, last_rtt, base_rtt, base_rtt_until;
+    uint64_t cwnd, inflight, ssthresh, last_cut_ns;
+    uint64_t delivered_ts;  /* send time of the latest packet acked on this path */
+    /* failure detection */
+    int consec_loss, probe_ok;
+    uint32_t probe_seq;
+    uint64_t probe_sent_ns, last_tx_ns, last_rx_ns;
+    bool probe_out;
+    /* counters */
+    uint64_t tx_pkts, tx_bytes, rx_pkts, rx_bytes, retx, lost, injected, probes, changes;
+};
+
+/* Receive state of one message (indexed by msn % MRC_MSGW). */
+struct rx_msg {
+    uint32_t msn;
+    bool used, have_last;
+    uint8_t type, flags;
+    uint32_t last_psn, imm;
+    uint64_t key, msg_len, got;
+    mrc_op *recv;        /* SEND bound to a posted RECV on arrival */
+    uint8_t *stage;      /* SEND staged until a RECV matches */
+};
+
+struct staged_msg {      /* a complete SEND no RECV has matched yet */
+    uint64_t tag, len;
+    uint8_t *data;
+    struct staged_msg *next;
+};
+
+struct imm_ev {
+    uint32_t imm;
+    uint64_t len;
+    struct imm_ev *next;
+};
+
+enum conn_state { CONN_NEW = 0, CONN_ACTIVE, CONN_FAILED, CONN_CLOSED };
+
+struct mrc_conn {
+    mrc_ep *ep;
+    uint32_t id, peer_id;
+    uint32_t slot;
+    char name[64], peer_name[64];
+    int state;          /* [lock] for the API, written by the progress thread */
+    int error;          /* [lock] */
+    int hs_fd;          /* handshake TCP socket while connecting */
+    int npeer_planes;
+    struct sockaddr_storage peer_planes[MRC_MAX_PLANES];
+    uint32_t mss, window, wmask;
+    int npaths;
+    struct path paths[MRC_MAX_PATHS];
+    int path_index[MRC_MAX_PATHS]; /* wire path id -> index in paths[], -1 none */
+    bool active_listed, in_ackq, closing_sent;
+    struct mrc_conn *next_active, *next_ack;
+
+    /* transmit */
+    struct tx_pkt *tx;
+    uint32_t una, next_psn, highest_acked;
+    uint32_t next_msn;
+    mrc_op *txops_head, *txops_tail; /* posted WRITE/SEND, msn order */
+    mrc_op *seg_op;                  /* first op with bytes not yet sent */
+    uint32_t *rtxq;                  /* psns to retransmit, ring of window */
+    uint32_t rtx_head, rtx_count;
+    int rr;
+    uint64_t last_progress_ns;
+    uint64_t all_failed_since; /* 0 while some path is not failed */
+
+    /* receive */
+    uint32_t rx_cum;          /* every psn below is received */
+    uint64_t *rx_bits;        /* window bits, psn % window */
+    uint32_t rx_deliver_msn;
+    struct rx_msg *msgs;      /* MRC_MSGW */
+    mrc_op *recvq_head, *recvq_tail;     /* posted RECVs */
+    struct staged_msg *unexp_head, *unexp_tail;
+    uint64_t staged_bytes;
+    int staging;              /* staged messages not yet delivered */
+    uint64_t ack_need;        /* bit per path id */
+    uint32_t ack_echo_psn[MRC_MAX_PATHS];
+    uint64_t ack_echo_ts[MRC_MAX_PATHS];
+
+    /* [lock] immediates delivered to the user */
+    struct imm_ev *imm_head, *imm_tail;
+};
+
+/* A socket: one per plane (receives everything for the plane, sends plain
+ * IP paths) plus one per distinct SRv6 route (send only, sticky SRH). */
+struct txbatch {
+    int n, sent;
+    struct mmsghdr msg[MRC_BATCH];
+    struct iovec iov[MRC_BATCH][2];
+    struct sockaddr_in6 dst[MRC_BATCH]; /* copies: a path may go before its packet */
+    _Alignas(8) uint8_t hdr[MRC_BATCH][MRC_ACK_LEN];
+};
+static_assert(MRC_ACK_LEN >= MRC_DATA_HDR_LEN, "hdr slots fit every header");
+
+struct msock {
+    int fd, plane, nsegs;
+    struct in6_addr segs[MRC_MAX_SEGS];
+    struct txbatch batch;
+};
+
+enum ctl_type { CTL_CONN_ADD = 1, CTL_CONN_DEL, CTL_MR_ADD, CTL_MR_DEL, CTL_STATS, CTL_INJECT,
+                CTL_PATH_SOCK };
+
+struct ctl {
+    int type;
+    void *arg;
+    void *arg2;
+    int iarg;
+    int rc;
+    bool done;
+    struct ctl *next;
+};
+
+struct plane {
+    char addr_str[MRC_ADDR_STRLEN];
+    struct sockaddr_storage addr;
+    socklen_t addrlen;
+    uint16_t port;
+    double tx_loss;
+    bool down;
+};
+
+struct mrc_ep {
+    /* [const] */
+    struct mrc_ep_config cfg;
+    int nplanes;
+    struct plane planes[MRC_MAX_PLANES];
+    int epfd, evfd;
+    pthread_t thread;
+
+    /* [lock] */
+    pthread_mutex_t lock;
+    pthread_cond_t cv;
+    bool stopping, sleeping;
+    mrc_op *subq_head, *subq_tail;
+    struct ctl *ctlq_head, *ctlq_tail;
+    uint32_t conn_free[MRC_SLOTS], nconn_free; /* free slot stack */
+    uint32_t mr_free[MRC_SLOTS], nmr_free;
+    int listen_fd;
+
+    /* progress thread */
+    int nsocks;
+    struct msock *socks[MRC_MAX_PLANES + MRC_MAX_PATHS * 4];
+    mrc_conn *conns[MRC_SLOTS];
+    mrc_mr *mrs[MRC_SLOTS];
+    mrc_conn *active;        /* connections in the datapath */
+    mrc_conn *ackq;          /* connections owing ACKs */
+    mrc_op *done_head;       /* completions to publish */
+    uint64_t rng;
+    uint64_t next_timer_ns;
+    uint8_t *rxbuf;          /* MRC_BATCH * rx_slot bytes */
+    uint32_t rx_slot;
+    struct mrc_ep_stats st;
+    bool work;               /* this loop iteration did something */
+};
+
+/* ep.c */
+int ep_ctl(mrc_ep *ep, struct ctl *c);
+void ep_wake(mrc_ep *ep);
+void op_complete_pt(mrc_ep *ep, mrc_op *op, int status);
+void ep_publish_pt(mrc_ep *ep);
+void conn_fail_pt(mrc_conn *c, int err, int op_err);
+void ep_ctl_run_pt(mrc_ep *ep, struct ctl *c);
+int addr_parse(const char *s, uint16_t port, struct sockaddr_storage *ss, socklen_t *len);
+void addr_format(const struct sockaddr_storage *ss, char *buf, size_t len);
+bool addr_same_host(const struct sockaddr_storage *a, const struct sockaddr_storage *b);
+uint64_t rand_u64(void);
+
+/* sock.c */
+int sock_open_plane(mrc_ep *ep, int plane);
+int sock_path_pt(mrc_ep *ep, int plane, int nsegs, const struct in6_addr *segs);
+uint8_t *sock_tx_slot_pt(mrc_ep *ep, struct path *p, size_t hdrlen, const void *payload,
+                         uint32_t len);
+int sock_flush_pt(mrc_ep *ep, struct msock *s);
+void sock_flush_all_pt(mrc_ep *ep);
+bool sock_batch_full_pt(mrc_ep *ep, int sock);
+int sock_recv_pt(mrc_ep *ep, int sock);
+
+/* tx.c */
+void tx_post_pt(mrc_conn *c, mrc_op *op);
+bool tx_run_pt(mrc_conn *c);
+void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
+                  const struct mrc_ack_ext *a, uint64_t now);
+void tx_on_nak_pt(mrc_conn *c, const struct mrc_hdr *h, const struct mrc_nak_ext *n);
+void tx_lose_pt(mrc_conn *c, struct tx_pkt *t, uint64_t now);
+void tx_timers_pt(mrc_conn *c, uint64_t now);
+void tx_flush_path_pt(mrc_conn *c, struct path *p, uint64_t now);
+void tx_release_pt(mrc_conn *c);
+
+/* rx.c */
+void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, uint8_t *buf,
+                  size_t len, uint64_t now);
+void rx_flush_acks_pt(mrc_ep *ep);
+void rx_post_recv_pt(mrc_conn *c, mrc_op *op);
+void rx_release_pt(mrc_conn *c);
+
+/* path.c */
+struct path *path_pick_pt(mrc_conn *c, uint32_t len, int avoid);
+struct path *path_for_ack_pt(mrc_conn *c, int id);
+void path_set_state_pt(mrc_conn *c, struct path *p, int state, uint64_t now);
+void path_on_rtt_pt(struct path *p, uint64_t rtt, uint64_t now);
+void path_on_acked_pt(struct path *p, uint64_t bytes, uint64_t now);
+void path_on_loss_pt(mrc_conn *c, struct path *p, bool timeout, uint64_t now);
+void path_on_probe_ack_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t now);
+void path_timers_pt(mrc_conn *c, uint64_t now, bool busy);
+uint64_t path_rto(const struct path *p);
+int path_send_ctrl_pt(mrc_conn *c, struct path *p, int type, uint32_t psn, uint64_t ts);
+void path_init(struct path *p, uint32_t mss);
+
+/* engine.c */
+void *engine_main(void *arg);
+
+#define MRC_MAX_STAGED (1ull << 30) /* unmatched SEND bytes held per connection */
+#define MRC_PKT_OVERHEAD 64         /* bytes a packet costs in a window beyond payload */
+
+static inline struct path *conn_path(mrc_conn *c, unsigned id)
+{
+    if (id >= MRC_MAX_PATHS || c->path_index[id] < 0)
+        return NULL;
+    return &c->paths[c->path_index[id]];
+}
+
+/* Fault injection: true if the packet about to leave on p is to be lost. */
+static inline bool inject_drop(mrc_ep *ep, const struct path *p)
+{
+    const struct plane *pl = &ep->planes[p->plane];
+    if (pl->down)
+        return true;
+    return pl->tx_loss > 0 &&
+           (double)(rng_next(&ep->rng) >> 11) * (1.0 / 9007199254740992.0) < pl->tx_loss;
+}
+
+#define CNT(ep, field) ((ep)->st.field++)
+#define DROP(ep, reason) ((ep)->st.drops[MRC_DROP_##reason]++)
+
+#endif /* MRC_INTERNAL_H */

@@ -1,0 +1,295 @@
+/*
+ * path.c - per-path state: delay, congestion window, and the state machine
+ * that takes a path out of service when it loses packets and back in when
+ * probes get through.
+ *
+ *   GOOD --loss without queueing delay--> SUSPECT --probe answered--> GOOD
+ *   GOOD/SUSPECT --repeated loss, RTO, lost probe--> FAILED
+ *   FAILED --probe answered--> PROBING --MRC_PROBES_TO_GOOD answers--> GOOD
+ *
+ * Congestion: a window per path, NSCC-like: grow while the path's delay
+ * stays within a target above its base RTT, shrink in proportion to the
+ * excess delay, and on loss that comes with queueing. Spraying fills each
+ * path only up to its window, so a slow or degraded path carries less.
+ */
+#include "internal.h"
+
+#include <string.h>
+
+static const char *const path_state_names[] = {"good", "suspect", "failed", "probing"};
+
+const char *mrc_path_state_str(int state)
+{
+    return state >= 0 && state <= MRC_PATH_PROBING ? path_state_names[state] : "?";
+}
+
+#define INIT_CWND_PKTS 32
+
+void path_init(struct path *p, uint32_t mss)
+{
+    p->state = MRC_PATH_GOOD;
+    p->cwnd = (uint64_t)INIT_CWND_PKTS * (mss + MRC_PKT_OVERHEAD);
+    p->ssthresh = UINT64_MAX;
+    p->base_rtt = UINT64_MAX;
+}
+
+static uint64_t target_delay(const struct path *p)
+{
+    uint64_t base = p->base_rtt == UINT64_MAX ? 0 : p->base_rtt;
+    return base > 100000 ? base : 100000; /* at least 100 us of queue */
+}
+
+static bool congested(const struct path *p)
+{
+    return p->base_rtt != UINT64_MAX && p->last_rtt > p->base_rtt + target_delay(p);
+}
+
+uint64_t path_rto(const struct path *p)
+{
+    if (!p->srtt)
+        return 4 * MRC_MIN_RTO_NS;
+    uint64_t rto = 2 * p->srtt + 4 * p->rttvar;
+    return rto > MRC_MIN_RTO_NS ? rto : MRC_MIN_RTO_NS;
+}
+
+static int path_class(const struct path *p)
+{
+    switch (p->state) {
+    case MRC_PATH_GOOD: return 0;
+    case MRC_PATH_SUSPECT:
+    case MRC_PATH_PROBING: return 1;
+    default: return 2;
+    }
+}
+
+/*
+ * Next path for a packet of len bytes, round-robin over the best class of
+ * paths (good, else suspect/probing) that have window room. avoid >= 0 is the
+ * path that lost a retransmitted packet; it is used only when nothing else is.
+ */
+struct path *path_pick_pt(mrc_conn *c, uint32_t len, int avoid)
+{
+    uint64_t need = len + MRC_PKT_OVERHEAD;
+    for (int cls = 0; cls < 2; cls++) {
+        bool any = false;
+        struct path *fallback = NULL;
+        for (int k = 0; k < c->npaths; k++) {
+            int i = (c->rr + k) % c->npaths;
+            struct path *p = &c->paths[i];
+            if (path_class(p) != cls)
+                continue;
+            any = true;
+            if (p->inflight + need > p->cwnd && p->inflight)
+                continue;
+            if (p->id == avoid) {
+                fallback = p;
+                continue;
+            }
+            c->rr = (i + 1) % c->npaths;
+            return p;
+        }
+        if (fallback)
+            return fallback;
+        if (any)
+            return NULL; /* usable paths exist but their windows are full */
+    }
+    return NULL;
+}
+
+/* The path an ACK or probe answer for the peer's path `id` leaves on: its
+ * mirror when alive, else any live path. */
+struct path *path_for_ack_pt(mrc_conn *c, int id)
+{
+    struct path *p = conn_path(c, (unsigned)id);
+    if (p && p->state != MRC_PATH_FAILED)
+        return p;
+    struct path *best = NULL;
+    for (int i = 0; i < c->npaths; i++) {
+        struct path *q = &c->paths[i];
+        if (!best || path_class(q) < path_class(best))
+            best = q;
+    }
+    return best && path_class(best) < 2 ? best : (p ? p : best);
+}
+
+int path_send_ctrl_pt(mrc_conn *c, struct path *p, int type, uint32_t psn, uint64_t ts)
+{
+    mrc_ep *ep = c->ep;
+    if (!p || sock_batch_full_pt(ep, p->sock))
+        return -1;
+    if (inject_drop(ep, p)) {
+        p->injected++;
+        return 0;
+    }
+    uint8_t *buf = sock_tx_slot_pt(ep, p, MRC_CTRL_LEN, NULL, 0);
+    *(struct mrc_hdr *)buf = (struct mrc_hdr){.magic = MRC_MAGIC, .version = MRC_WIRE_VERSION,
+                                              .type = (uint8_t)type, .path = (uint8_t)p->id,
+                                              .conn = c->peer_id, .psn = psn, .ts = ts};
+    return 0;
+}
+
+static void path_probe_pt(mrc_conn *c, struct path *p, uint64_t now)
+{
+    p->probe_seq++;
+    p->probe_sent_ns = now;
+    p->probe_out = true;
+    p->probes++;
+    path_send_ctrl_pt(c, p, MRC_PKT_PROBE, p->probe_seq, now);
+}
+
+void path_set_state_pt(mrc_conn *c, struct path *p, int state, uint64_t now)
+{
+    if (p->state == state)
+        return;
+    p->state = state;
+    p->state_since = now;
+    p->changes++;
+    p->probe_ok = 0;
+    switch (state) {
+    case MRC_PATH_GOOD:
+        p->consec_loss = 0;
+        p->cwnd = (uint64_t)INIT_CWND_PKTS * (c->mss + MRC_PKT_OVERHEAD);
+        p->ssthresh = UINT64_MAX;
+        break;
+    case MRC_PATH_SUSPECT:
+        path_probe_pt(c, p, now);
+        break;
+    case MRC_PATH_FAILED:
+        p->probe_out = false;
+        tx_flush_path_pt(c, p, now);
+        break;
+    default:
+        break;
+    }
+}
+
+void path_on_rtt_pt(struct path *p, uint64_t rtt, uint64_t now)
+{
+    p->last_rtt = rtt;
+    if (!p->srtt) {
+        p->srtt = rtt;
+        p->rttvar = rtt / 2;
+    } else {
+        uint64_t dev = p->srtt > rtt ? p->srtt - rtt : rtt - p->srtt;
+        p->rttvar = (3 * p->rttvar + dev) / 4;
+        p->srtt = (7 * p->srtt + rtt) / 8;
+    }
+    /* The base RTT is the minimum over a 10 s window, so a re-routed or
+     * re-shaped path finds its new floor. */
+    if (rtt < p->base_rtt || now > p->base_rtt_until) {
+        p->base_rtt = rtt;
+        p->base_rtt_until = now + 10000000000ull;
+    }
+}
+
+void path_on_acked_pt(struct path *p, uint64_t bytes, uint64_t now)
+{
+    uint64_t pkt = bytes + MRC_PKT_OVERHEAD;
+    if (!congested(p)) {
+        if (p->cwnd < p->ssthresh)
+            p->cwnd += pkt;                          /* quick start */
+        else
+            p->cwnd += pkt * 8192 / (p->cwnd ? p->cwnd : 1) + 1; /* additive */
+    } else if (now - p->last_cut_ns > p->srtt) {
+        /* Cut in proportion to how far the delay is above target (at most
+         * half), once per round trip. */
+        uint64_t excess = p->last_rtt - p->base_rtt - target_delay(p);
+        uint64_t frac = excess * 1024 / (2 * p->last_rtt);
+        if (frac > 512)
+            frac = 512;
+        p->cwnd -= p->cwnd * frac / 1024;
+        p->ssthresh = p->cwnd;
+        p->last_cut_ns = now;
+    }
+    if (p->cwnd < 2 * pkt)
+        p->cwnd = 2 * pkt;
+}
+
+void path_on_loss_pt(mrc_conn *c, struct path *p, bool timeout, uint64_t now)
+{
+    if (!timeout && congested(p)) {
+        /* Loss with queueing: congestion, not a broken path. */
+        if (now - p->last_cut_ns > p->srtt) {
+            p->cwnd = p->cwnd * 7 / 10;
+            p->ssthresh = p->cwnd;
+            p->last_cut_ns = now;
+        }
+        return;
+    }
+    p->consec_loss++;
+    if (p->state == MRC_PATH_FAILED)
+        return;
+    if (p->consec_loss >= MRC_LOSSES_TO_FAIL ||
+        (timeout && p->state != MRC_PATH_GOOD)) {
+        path_set_state_pt(c, p, MRC_PATH_FAILED, now);
+        return;
+    }
+    if (p->state == MRC_PATH_GOOD)
+        path_set_state_pt(c, p, MRC_PATH_SUSPECT, now);
+    /* A timeout means nothing came back: what is in flight there is gone. */
+    if (timeout)
+        tx_flush_path_pt(c, p, now);
+}
+
+void path_on_probe_ack_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t now)
+{
+    if (!p->probe_out || ts != p->probe_sent_ns) {
+        DROP(c->ep, BAD_ACK); /* not the probe we sent: stale or forged */
+        return;
+    }
+    p->probe_out = false;
+    p->last_rx_ns = now;
+    path_on_rtt_pt(p, now - ts, now);
+    p->consec_loss = 0;
+    switch (p->state) {
+    case MRC_PATH_SUSPECT:
+        path_set_state_pt(c, p, MRC_PATH_GOOD, now);
+        break;
+    case MRC_PATH_FAILED:
+        path_set_state_pt(c, p, MRC_PATH_PROBING, now);
+        p->probe_ok = 1;
+        break;
+    case MRC_PATH_PROBING:
+        if (++p->probe_ok >= MRC_PROBES_TO_GOOD)
+            path_set_state_pt(c, p, MRC_PATH_GOOD, now);
+        break;
+    default:
+        break;
+    }
+}
+
+/* Probes: answer overdue -> lost; send the next one when due. `busy`: the
+ * connection has operations pending, so idle paths are kept checked. */
+void path_timers_pt(mrc_conn *c, uint64_t now, bool busy)
+{
+    for (int i = 0; i < c->npaths; i++) {
+        struct path *p = &c->paths[i];
+        uint64_t rto = path_rto(p);
+        if (p->probe_out && now - p->probe_sent_ns > rto) {
+            p->probe_out = false;
+            p->consec_loss++;
+            if (p->state != MRC_PATH_FAILED)
+                path_set_state_pt(c, p, p->state == MRC_PATH_GOOD ? MRC_PATH_SUSPECT
+                                                                   : MRC_PATH_FAILED, now);
+        }
+        if (p->probe_out)
+            continue;
+        switch (p->state) {
+        case MRC_PATH_SUSPECT:
+            path_probe_pt(c, p, now);
+            break;
+        case MRC_PATH_FAILED:
+            if (now - p->probe_sent_ns >= MRC_PROBE_INTERVAL_NS)
+                path_probe_pt(c, p, now);
+            break;
+        case MRC_PATH_PROBING:
+            path_probe_pt(c, p, now); /* back to back: heal fast */
+            break;
+        default:
+            if (busy && now - p->last_rx_ns > MRC_KEEPALIVE_NS &&
+                now - p->probe_sent_ns > MRC_KEEPALIVE_NS)
+                path_probe_pt(c, p, now);
+            break;
+        }
+    }
+}

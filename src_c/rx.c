@@ -1,0 +1,418 @@
+/*
+ * rx.c - the receive path: validate, demultiplex, place data directly into
+ * registered memory, deliver messages in order, generate ACKs.
+ *
+ * Every check that guards memory happens here, before a byte is copied:
+ * the packet is validated (wire.c), the connection id must exist and the
+ * source must be one of the peer's planes, the PSN must be inside the
+ * receive window, and a WRITE must name a registered key and stay inside the
+ * region. Anything else is dropped and counted by reason.
+ */
+#include "internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static inline bool rx_bit(const mrc_conn *c, uint32_t psn)
+{
+    uint32_t i = psn & c->wmask;
+    return (c->rx_bits[i >> 6] >> (i & 63)) & 1;
+}
+
+static inline void rx_bit_set(mrc_conn *c, uint32_t psn, bool v)
+{
+    uint32_t i = psn & c->wmask;
+    if (v)
+        c->rx_bits[i >> 6] |= 1ull << (i & 63);
+    else
+        c->rx_bits[i >> 6] &= ~(1ull << (i & 63));
+}
+
+static void ack_need(mrc_conn *c, unsigned path, uint32_t psn, uint64_t ts)
+{
+    c->ack_need |= 1ull << path;
+    c->ack_echo_psn[path] = psn;
+    c->ack_echo_ts[path] = ts;
+    if (!c->in_ackq) {
+        c->in_ackq = true;
+        c->next_ack = c->ep->ackq;
+        c->ep->ackq = c;
+    }
+}
+
+static void send_nak(mrc_conn *c, unsigned path, uint32_t psn, uint32_t msn, uint32_t code)
+{
+    struct path *p = path_for_ack_pt(c, (int)path);
+    if (!p || sock_batch_full_pt(c->ep, p->sock) || inject_drop(c->ep, p))
+        return;
+    uint8_t *buf = sock_tx_slot_pt(c->ep, p, MRC_NAK_LEN, NULL, 0);
+    struct mrc_hdr *h = (struct mrc_hdr *)buf;
+    struct mrc_nak_ext *n = (struct mrc_nak_ext *)(h + 1);
+    *h = (struct mrc_hdr){.magic = MRC_MAGIC, .version = MRC_WIRE_VERSION,
+                          .type = MRC_PKT_NAK, .path = (uint8_t)path, .conn = c->peer_id,
+                          .psn = psn, .ts = now_ns()};
+    n->msn = msn;
+    n->code = code;
+}
+
+static bool tag_match(uint64_t want, uint64_t tag) { return want == MRC_TAG_ANY || want == tag; }
+
+static void recvq_unlink(mrc_conn *c, mrc_op *op)
+{
+    if (op->prev)
+        op->prev->next = op->next;
+    else
+        c->recvq_head = op->next;
+    if (op->next)
+        op->next->prev = op->prev;
+    else
+        c->recvq_tail = op->prev;
+    op->prev = op->next = NULL;
+}
+
+static void recv_complete(mrc_conn *c, mrc_op *r, const uint8_t *data, uint64_t len,
+                          uint64_t tag)
+{
+    uint64_t n = len < r->len ? len : r->len;
+    if (data && n)
+        memcpy(r->mr->addr + r->loff, data, n);
+    r->res_bytes = len;
+    r->res_tag = tag;
+    op_complete_pt(c->ep, r, len > r->len ? MRC_ETRUNC : 0);
+}
+
+/*
+ * A SEND may be placed straight into a posted RECV only if matching it now
+ * gives the same answer as matching in message order would: no earlier
+ * message is waiting for a RECV, and every earlier message is known and not
+ * staged.
+ */
+static mrc_op *rx_bind_recv(mrc_conn *c, struct rx_msg *m)
+{
+    if (c->staging || c->unexp_head)
+        return NULL;
+    for (uint32_t msn = c->rx_deliver_msn; msn != m->msn; msn++) {
+        struct rx_msg *e = &c->msgs[msn % MRC_MSGW];
+        if (!e->used || e->msn != msn || (e->type == MRC_PKT_SEND && !e->recv))
+            return NULL;
+    }
+    for (mrc_op *r = c->recvq_head; r; r = r->next) {
+        if (!tag_match(r->tag, m->key))
+            continue;
+        if (r->len < m->msg_len)
+            return NULL; /* truncation is reported at delivery */
+        recvq_unlink(c, r);
+        return r;
+    }
+    return NULL;
+}
+
+static void rx_deliver_pt(mrc_conn *c)
+{
+    mrc_ep *ep = c->ep;
+    for (;;) {
+        struct rx_msg *m = &c->msgs[c->rx_deliver_msn % MRC_MSGW];
+        if (!m->used || m->msn != c->rx_deliver_msn || !m->have_last ||
+            !psn_lt(m->last_psn, c->rx_cum))
+            break;
+        if (m->type == MRC_PKT_WRITE && (m->flags & MRC_F_IMM)) {
+            struct imm_ev *ev = malloc(sizeof(*ev));
+            if (ev) {
+                *ev = (struct imm_ev){.imm = m->imm, .len = m->msg_len};
+                pthread_mutex_lock(&ep->lock);
+                if (c->imm_tail)
+                    c->imm_tail->next = ev;
+                else
+                    c->imm_head = ev;
+                c->imm_tail = ev;
+                pthread_cond_broadcast(&ep->cv);
+                pthread_mutex_unlock(&ep->lock);
+            }
+        } else if (m->type == MRC_PKT_SEND && m->recv) {
+            recv_complete(c, m->recv, NULL, m->msg_len, m->key);
+        } else if (m->type == MRC_PKT_SEND) {
+            c->staging--;
+            mrc_op *r = NULL;
+            if (!c->unexp_head)
+                for (r = c->recvq_head; r && !tag_match(r->tag, m->key); r = r->next) {
+                }
+            if (r) {
+                recvq_unlink(c, r);
+                recv_complete(c, r, m->stage, m->msg_len, m->key);
+                free(m->stage);
+                c->staged_bytes -= m->msg_len;
+            } else {
+                struct staged_msg *s = malloc(sizeof(*s));
+                if (!s) /* cannot happen in practice; the message is lost loudly */
+                    abort();
+                *s = (struct staged_msg){.tag = m->key, .len = m->msg_len, .data = m->stage};
+                if (c->unexp_tail)
+                    c->unexp_tail->next = s;
+                else
+                    c->unexp_head = s;
+                c->unexp_tail = s;
+            }
+        }
+        memset(m, 0, sizeof(*m));
+        c->rx_deliver_msn++;
+    }
+}
+
+void rx_post_recv_pt(mrc_conn *c, mrc_op *op)
+{
+    struct staged_msg *prev = NULL;
+    for (struct staged_msg *s = c->unexp_head; s; prev = s, s = s->next) {
+        if (!tag_match(op->tag, s->tag))
+            continue;
+        if (prev)
+            prev->next = s->next;
+        else
+            c->unexp_head = s->next;
+        if (c->unexp_tail == s)
+            c->unexp_tail = prev;
+        recv_complete(c, op, s->data, s->len, s->tag);
+        c->staged_bytes -= s->len;
+        free(s->data);
+        free(s);
+        return;
+    }
+    op->prev = c->recvq_tail;
+    op->next = NULL;
+    if (c->recvq_tail)
+        c->recvq_tail->next = op;
+    else
+        c->recvq_head = op;
+    c->recvq_tail = op;
+}
+
+static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payload)
+{
+    mrc_ep *ep = c->ep;
+    const struct mrc_data_ext *d = (const void *)(h + 1);
+    int32_t off = psn_diff(h->psn, c->rx_cum);
+    if (off < 0 || (off < (int32_t)c->window && rx_bit(c, h->psn))) {
+        DROP(ep, DUPLICATE);
+        ack_need(c, h->path, h->psn, h->ts); /* its ACK was lost: send another */
+        return;
+    }
+    if (off >= (int32_t)c->window) {
+        DROP(ep, PSN_WINDOW);
+        return;
+    }
+    if (d->msn - c->rx_deliver_msn >= MRC_MSGW) {
+        DROP(ep, BAD_MSG);
+        return;
+    }
+    struct rx_msg *m = &c->msgs[d->msn % MRC_MSGW];
+    if (m->used && (m->msn != d->msn || m->type != h->type || m->msg_len != d->msg_len ||
+                    m->key != d->key || m->imm != d->imm)) {
+        DROP(ep, BAD_MSG);
+        return;
+    }
+    uint8_t *dst;
+    if (h->type == MRC_PKT_WRITE) {
+        uint64_t key = d->key;
+        mrc_mr *mr = ep->mrs[key & 0xffff];
+        if (!mr || mr->key != key || !(mr->access & MRC_ACCESS_REMOTE_WRITE)) {
+            DROP(ep, BAD_KEY);
+            send_nak(c, h->path, h->psn, d->msn, MRC_NAK_KEY);
+            return;
+        }
+        if (h->len > mr->len || d->offset > mr->len - h->len) {
+            DROP(ep, BAD_BOUNDS);
+            send_nak(c, h->path, h->psn, d->msn, MRC_NAK_BOUNDS);
+            return;
+        }
+        dst = mr->addr + d->offset;
+    } else {
+        if (!m->used && d->msg_len > MRC_MAX_STAGED) {
+            DROP(ep, BAD_MSG);
+            return;
+        }
+        if (!m->used) {
+            m->msn = d->msn;
+            m->type = h->type;
+            m->key = d->key;
+            m->msg_len = d->msg_len;
+            m->imm = d->imm;
+            m->recv = rx_bind_recv(c, m);
+        }
+        if (!m->recv && !m->stage) {
+            if (c->staged_bytes + d->msg_len > MRC_MAX_STAGED ||
+                !(m->stage = malloc(d->msg_len ? d->msg_len : 1))) {
+                if (!m->used)
+                    memset(m, 0, sizeof(*m));
+                DROP(ep, NO_BUFFER); /* unacked: the sender will try again */
+                return;
+            }
+            c->staged_bytes += d->msg_len;
+            c->staging++;
+        }
+        dst = (m->recv ? m->recv->mr->addr + m->recv->loff : m->stage) + d->offset;
+    }
+    if (!m->used) {
+        m->used = true;
+        m->msn = d->msn;
+        m->type = h->type;
+        m->key = d->key;
+        m->msg_len = d->msg_len;
+        m->imm = d->imm;
+    }
+    m->flags |= h->flags & MRC_F_IMM;
+    memcpy(dst, payload, h->len);
+    m->got += h->len;
+    if (h->flags & MRC_F_LAST) {
+        m->have_last = true;
+        m->last_psn = h->psn;
+    }
+    rx_bit_set(c, h->psn, true);
+    while (rx_bit(c, c->rx_cum)) {
+        rx_bit_set(c, c->rx_cum, false);
+        c->rx_cum++;
+    }
+    ack_need(c, h->path, h->psn, h->ts);
+    rx_deliver_pt(c);
+}
+
+static mrc_conn *rx_conn(mrc_ep *ep, const struct mrc_hdr *h, const struct sockaddr_storage *from)
+{
+    mrc_conn *c = ep->conns[h->conn & 0xffff];
+    if (!c || c->id != h->conn) {
+        DROP(ep, UNKNOWN_CONN);
+        return NULL;
+    }
+    if (c->state != CONN_ACTIVE) {
+        DROP(ep, CLOSED_CONN);
+        return NULL;
+    }
+    for (int i = 0; i < c->npeer_planes; i++)
+        if (addr_same_host(from, &c->peer_planes[i]))
+            return c;
+    DROP(ep, BAD_PEER);
+    return NULL;
+}
+
+void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, uint8_t *buf,
+                  size_t len, uint64_t now)
+{
+    if (unlikely(ep->planes[plane].down)) {
+        DROP(ep, INJECTED);
+        return;
+    }
+    int bad = mrc_pkt_validate(buf, len, ep->cfg.mss);
+    if (unlikely(bad)) {
+        ep->st.drops[bad]++;
+        return;
+    }
+    const struct mrc_hdr *h = (const struct mrc_hdr *)buf;
+    mrc_conn *c = rx_conn(ep, h, from);
+    if (!c)
+        return;
+    struct path *p = conn_path(c, h->path);
+    if (unlikely(!p)) {
+        DROP(ep, BAD_PATH);
+        return;
+    }
+    ep->st.rx_pkts++;
+    ep->st.rx_bytes += h->len;
+    p->rx_pkts++;
+    p->rx_bytes += h->len;
+    switch (h->type) {
+    case MRC_PKT_WRITE:
+    case MRC_PKT_SEND:
+        rx_data_pt(c, h, buf + MRC_DATA_HDR_LEN);
+        break;
+    case MRC_PKT_ACK:
+        tx_on_ack_pt(c, p, h, (const struct mrc_ack_ext *)(h + 1), now);
+        break;
+    case MRC_PKT_NAK:
+        tx_on_nak_pt(c, h, (const struct mrc_nak_ext *)(h + 1));
+        break;
+    case MRC_PKT_PROBE:
+        path_send_ctrl_pt(c, path_for_ack_pt(c, h->path), MRC_PKT_PROBE_ACK, h->psn, h->ts);
+        break;
+    case MRC_PKT_PROBE_ACK:
+        path_on_probe_ack_pt(c, p, h->ts, now);
+        break;
+    case MRC_PKT_CLOSE:
+        conn_fail_pt(c, MRC_ECLOSED, MRC_ECLOSED);
+        break;
+    }
+}
+
+/* One ACK per (connection, path) that received data in the last burst. */
+void rx_flush_acks_pt(mrc_ep *ep)
+{
+    while (ep->ackq) {
+        mrc_conn *c = ep->ackq;
+        ep->ackq = c->next_ack;
+        c->in_ackq = false;
+        uint64_t need = c->ack_need;
+        c->ack_need = 0;
+        while (need) {
+            unsigned id = (unsigned)__builtin_ctzll(need);
+            need &= need - 1;
+            struct path *p = path_for_ack_pt(c, (int)id);
+            if (!p || sock_batch_full_pt(ep, p->sock))
+                continue;
+            ep->st.acks_tx++;
+            if (inject_drop(ep, p)) {
+                p->injected++;
+                continue;
+            }
+            uint8_t *buf = sock_tx_slot_pt(ep, p, MRC_ACK_LEN, NULL, 0);
+            struct mrc_hdr *h = (struct mrc_hdr *)buf;
+            struct mrc_ack_ext *a = (struct mrc_ack_ext *)(h + 1);
+            uint32_t echo = c->ack_echo_psn[id];
+            *h = (struct mrc_hdr){.magic = MRC_MAGIC, .version = MRC_WIRE_VERSION,
+                                  .type = MRC_PKT_ACK, .path = (uint8_t)id,
+                                  .conn = c->peer_id, .psn = c->rx_cum,
+                                  .ts = c->ack_echo_ts[id]};
+            /* The SACK block starts at the cumulative ack, or ends at the echoed
+             * psn when that lies further out. */
+            uint32_t base = c->rx_cum;
+            if (psn_diff(echo, base) >= MRC_SACK_BITS)
+                base = echo - (MRC_SACK_BITS - 1);
+            a->sack_base = base;
+            a->echo_psn = echo;
+            memset(a->sack, 0, sizeof(a->sack));
+            for (uint32_t i = 0; i < MRC_SACK_BITS; i++) {
+                uint32_t psn = base + i;
+                int32_t o = psn_diff(psn, c->rx_cum);
+                if (o >= (int32_t)c->window)
+                    break;
+                if (o >= 0 && rx_bit(c, psn))
+                    a->sack[i >> 6] |= 1ull << (i & 63);
+            }
+        }
+    }
+}
+
+/* Frees receive state; posted RECVs fail with the connection's error. */
+void rx_release_pt(mrc_conn *c)
+{
+    int err = c->error ? c->error : MRC_ECLOSED;
+    while (c->recvq_head) {
+        mrc_op *op = c->recvq_head;
+        recvq_unlink(c, op);
+        op_complete_pt(c->ep, op, err);
+    }
+    if (c->msgs) {
+        for (uint32_t i = 0; i < MRC_MSGW; i++) {
+            struct rx_msg *m = &c->msgs[i];
+            if (m->recv)
+                op_complete_pt(c->ep, m->recv, err);
+            free(m->stage);
+            memset(m, 0, sizeof(*m));
+        }
+    }
+    while (c->unexp_head) {
+        struct staged_msg *s = c->unexp_head;
+        c->unexp_head = s->next;
+        free(s->data);
+        free(s);
+    }
+    c->unexp_tail = NULL;
+    c->staged_bytes = 0;
+    c->staging = 0;
+}

@@ -1,0 +1,225 @@
+/* sock.c - path I/O: plane sockets, SRv6 route sockets, batched send/receive. */
+#include "internal.h"
+
+#include <errno.h>
+#include <netinet/ip6.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <unistd.h>
+
+static void sock_bufs(int fd, int size)
+{
+    /* SO_*BUFFORCE goes past net.core.{r,w}mem_max when we have
+     * CAP_NET_ADMIN; otherwise take what the sysctl allows. */
+    if (setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &size, sizeof(size)) < 0)
+        setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &size, sizeof(size));
+    if (setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &size, sizeof(size)) < 0)
+        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, sizeof(size));
+}
+
+static struct msock *sock_new(mrc_ep *ep, int fd, int plane)
+{
+    if (ep->nsocks >= (int)(sizeof(ep->socks) / sizeof(ep->socks[0])))
+        return NULL;
+    struct msock *s = aligned_alloc(64, (sizeof(*s) + 63) & ~(size_t)63);
+    if (!s)
+        return NULL;
+    memset(s, 0, sizeof(*s));
+    s->fd = fd;
+    s->plane = plane;
+    ep->socks[ep->nsocks++] = s;
+    return s;
+}
+
+int sock_open_plane(mrc_ep *ep, int i)
+{
+    struct plane *pl = &ep->planes[i];
+    if (addr_parse(pl->addr_str, ep->cfg.udp_port, &pl->addr, &pl->addrlen))
+        return MRC_EUSAGE;
+    int fd = socket(pl->addr.ss_family, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -errno;
+    sock_bufs(fd, (int)ep->cfg.sockbuf);
+    int rc;
+    if (bind(fd, (struct sockaddr *)&pl->addr, pl->addrlen) < 0) {
+        rc = -errno;
+        goto err_close;
+    }
+    struct sockaddr_storage bound;
+    socklen_t blen = sizeof(bound);
+    if (getsockname(fd, (struct sockaddr *)&bound, &blen) < 0) {
+        rc = -errno;
+        goto err_close;
+    }
+    pl->port = ntohs(((struct sockaddr_in *)&bound)->sin_port); /* same offset in v6 */
+    if (pl->addr.ss_family == AF_INET)
+        ((struct sockaddr_in *)&pl->addr)->sin_port = htons(pl->port);
+    else
+        ((struct sockaddr_in6 *)&pl->addr)->sin6_port = htons(pl->port);
+    /* The plane socket's index in ep->socks is the plane number. */
+    struct msock *s = sock_new(ep, fd, i);
+    if (!s) {
+        rc = -ENOMEM;
+        goto err_close;
+    }
+    struct epoll_event ev = {.events = EPOLLIN, .data.u32 = (uint32_t)i};
+    if (epoll_ctl(ep->epfd, EPOLL_CTL_ADD, fd, &ev) < 0)
+        return -errno; /* the socket is in ep->socks: the caller closes it */
+    return 0;
+
+err_close:
+    close(fd);
+    return rc;
+}
+
+/*
+ * The socket for an SRv6 route from a plane: a UDP/IPv6 socket bound to the
+ * plane's address with the segment list as a sticky type-4 routing header.
+ * Linux refuses a per-packet SRH in sendmsg ancillary data but accepts it per
+ * socket; segments are stored in reverse order and the kernel overwrites
+ * segments[0] with the sendto() destination. Sockets are shared by every
+ * connection that uses the same route.
+ */
+int sock_path_pt(mrc_ep *ep, int plane, int nsegs, const struct in6_addr *segs)
+{
+    for (int i = ep->nplanes; i < ep->nsocks; i++) {
+        struct msock *s = ep->socks[i];
+        if (s->plane == plane && s->nsegs == nsegs &&
+            memcmp(s->segs, segs, sizeof(*segs) * (size_t)nsegs) == 0)
+            return i;
+    }
+    struct plane *pl = &ep->planes[plane];
+    if (pl->addr.ss_family != AF_INET6)
+        return MRC_EUSAGE;
+    int fd = socket(AF_INET6, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -errno;
+    sock_bufs(fd, (int)ep->cfg.sockbuf);
+    struct sockaddr_in6 a = *(struct sockaddr_in6 *)&pl->addr;
+    a.sin6_port = 0;
+    uint8_t srh[8 + 16 * MRC_MAX_SEGS];
+    srh[0] = 0;                        /* next header: filled by the kernel */
+    srh[1] = (uint8_t)(2 * nsegs);     /* length in 8-octet units, minus the first */
+    srh[2] = 4;                        /* routing type 4: segment routing (RFC 8754) */
+    srh[3] = (uint8_t)(nsegs - 1);     /* segments left */
+    srh[4] = (uint8_t)(nsegs - 1);     /* last entry */
+    srh[5] = 0;                        /* flags */
+    srh[6] = srh[7] = 0;               /* tag */
+    for (int k = 0; k < nsegs; k++)
+        memcpy(srh + 8 + 16 * k, &segs[nsegs - 1 - k], 16);
+    int rc;
+    if (bind(fd, (struct sockaddr *)&a, sizeof(a)) < 0 ||
+        setsockopt(fd, IPPROTO_IPV6, IPV6_RTHDR, srh, (socklen_t)(8 + 16 * nsegs)) < 0) {
+        rc = -errno;
+        close(fd);
+        return rc;
+    }
+    struct msock *s = sock_new(ep, fd, plane);
+    if (!s) {
+        close(fd);
+        return -ENOMEM;
+    }
+    s->nsegs = nsegs;
+    memcpy(s->segs, segs, sizeof(*segs) * (size_t)nsegs);
+    return ep->nsocks - 1;
+}
+
+bool sock_batch_full_pt(mrc_ep *ep, int sock)
+{
+    struct txbatch *b = &ep->socks[sock]->batch;
+    if (b->n < MRC_BATCH)
+        return false;
+    sock_flush_pt(ep, ep->socks[sock]);
+    return b->n == MRC_BATCH;
+}
+
+/*
+ * Reserves the next packet slot of path p's socket batch and returns the
+ * header buffer to fill; payload (may be NULL) is sent from the caller's
+ * memory without a copy. The batch must not be full (sock_batch_full_pt).
+ */
+uint8_t *sock_tx_slot_pt(mrc_ep *ep, struct path *p, size_t hdrlen, const void *payload,
+                         uint32_t len)
+{
+    struct msock *s = ep->socks[p->sock];
+    struct txbatch *b = &s->batch;
+    int i = b->n++;
+    struct mmsghdr *m = &b->msg[i];
+    memcpy(&b->dst[i], &p->dst, p->dstlen);
+    m->msg_hdr.msg_name = &b->dst[i];
+    m->msg_hdr.msg_namelen = p->dstlen;
+    m->msg_hdr.msg_iov = b->iov[i];
+    m->msg_hdr.msg_iovlen = payload && len ? 2 : 1;
+    m->msg_hdr.msg_control = NULL;
+    m->msg_hdr.msg_controllen = 0;
+    m->msg_hdr.msg_flags = 0;
+    b->iov[i][0].iov_base = b->hdr[i];
+    b->iov[i][0].iov_len = hdrlen;
+    b->iov[i][1].iov_base = (void *)payload;
+    b->iov[i][1].iov_len = len;
+    return b->hdr[i];
+}
+
+/* Sends what the batch holds; what the kernel does not take stays queued. */
+int sock_flush_pt(mrc_ep *ep, struct msock *s)
+{
+    struct txbatch *b = &s->batch;
+    while (b->sent < b->n) {
+        int r = sendmmsg(s->fd, &b->msg[b->sent], (unsigned)(b->n - b->sent), MSG_DONTWAIT);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == ENOBUFS)
+                return -EAGAIN; /* keep the rest for the next loop */
+            /* A hard error on one datagram (EHOSTUNREACH on a dead plane,
+             * ENETUNREACH): the packet is lost like on a wire; skip it and
+             * let loss detection act. */
+            b->sent++;
+            continue;
+        }
+        b->sent += r;
+        ep->work = true;
+    }
+    b->n = b->sent = 0;
+    return 0;
+}
+
+void sock_flush_all_pt(mrc_ep *ep)
+{
+    for (int i = 0; i < ep->nsocks; i++)
+        if (ep->socks[i]->batch.n)
+            sock_flush_pt(ep, ep->socks[i]);
+}
+
+/* Receives one burst on plane socket `sock`; returns packets received. */
+int sock_recv_pt(mrc_ep *ep, int sock)
+{
+    struct msock *s = ep->socks[sock];
+    struct mmsghdr msgs[MRC_BATCH];
+    struct iovec iov[MRC_BATCH];
+    struct sockaddr_storage from[MRC_BATCH];
+    for (int i = 0; i < MRC_BATCH; i++) {
+        iov[i].iov_base = ep->rxbuf + (size_t)i * ep->rx_slot;
+        iov[i].iov_len = ep->rx_slot;
+        msgs[i].msg_hdr = (struct msghdr){.msg_name = &from[i],
+                                          .msg_namelen = sizeof(from[i]),
+                                          .msg_iov = &iov[i],
+                                          .msg_iovlen = 1};
+    }
+    int n = recvmmsg(s->fd, msgs, MRC_BATCH, MSG_DONTWAIT, NULL);
+    if (n <= 0)
+        return 0;
+    uint64_t now = now_ns();
+    for (int i = 0; i < n; i++) {
+        size_t len = msgs[i].msg_len;
+        if (msgs[i].msg_hdr.msg_flags & MSG_TRUNC) {
+            /* Larger than any valid packet for our MSS. */
+            DROP(ep, BAD_LENGTH);
+            continue;
+        }
+        rx_packet_pt(ep, s->plane, &from[i], iov[i].iov_base, len, now);
+    }
+    ep->work = true;
+    return n;
+}

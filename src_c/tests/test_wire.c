@@ -1,0 +1,68 @@
+/* test_wire.c - packet validation accepts exactly the well-formed packets. */
+#include <string.h>
+
+#include "check.h"
+#include "mrc.h"
+#include "wire.h"
+
+static size_t data_pkt(uint8_t *buf, uint16_t len, uint64_t off, uint64_t msg_len)
+{
+    struct mrc_hdr *h = (struct mrc_hdr *)buf;
+    struct mrc_data_ext *d = (struct mrc_data_ext *)(h + 1);
+    memset(buf, 0, MRC_DATA_HDR_LEN + len);
+    h->magic = MRC_MAGIC;
+    h->version = MRC_WIRE_VERSION;
+    h->type = MRC_PKT_WRITE;
+    h->len = len;
+    d->offset = off;
+    d->msg_len = msg_len;
+    return MRC_DATA_HDR_LEN + len;
+}
+
+int main(void)
+{
+    static uint8_t buf[MRC_DATA_HDR_LEN + 9000];
+    size_t n = data_pkt(buf, 100, 0, 100);
+    CHECK(mrc_pkt_validate(buf, n, 8192) == 0);
+    for (size_t cut = 0; cut < n; cut++) /* every truncation is caught */
+        CHECK(mrc_pkt_validate(buf, cut, 8192) != 0);
+    CHECK(mrc_pkt_validate(buf, n + 1, 8192) == MRC_DROP_BAD_LENGTH);
+    n = data_pkt(buf, 100, UINT64_MAX - 10, 100);
+    CHECK(mrc_pkt_validate(buf, n, 8192) == 0); /* WRITE: region offset, checked later */
+    ((struct mrc_hdr *)buf)->type = MRC_PKT_SEND;
+    CHECK(mrc_pkt_validate(buf, n, 8192) == MRC_DROP_BAD_MSG);
+    n = data_pkt(buf, 100, 1, 100);
+    ((struct mrc_hdr *)buf)->type = MRC_PKT_SEND;
+    CHECK(mrc_pkt_validate(buf, n, 8192) == MRC_DROP_BAD_MSG);
+    n = data_pkt(buf, 100, 0, 99);
+    CHECK(mrc_pkt_validate(buf, n, 8192) == MRC_DROP_BAD_MSG);
+    n = data_pkt(buf, 8193, 0, 9000);
+    CHECK(mrc_pkt_validate(buf, n, 8192) == MRC_DROP_BAD_LENGTH);
+    n = data_pkt(buf, 0, 0, 0);
+    CHECK(mrc_pkt_validate(buf, n, 8192) == 0);
+    struct mrc_hdr *h = (struct mrc_hdr *)buf;
+    h->magic = 0x1234;
+    CHECK(mrc_pkt_validate(buf, n, 8192) == MRC_DROP_BAD_MAGIC);
+    h->magic = MRC_MAGIC;
+    h->version = 2;
+    CHECK(mrc_pkt_validate(buf, n, 8192) == MRC_DROP_BAD_VERSION);
+    h->version = MRC_WIRE_VERSION;
+    for (int t = 0; t < 256; t++) {
+        h->type = (uint8_t)t;
+        int r = mrc_pkt_validate(buf, n, 8192);
+        CHECK(t >= 1 && t < MRC_PKT_TYPE_MAX ? r != MRC_DROP_BAD_TYPE : r == MRC_DROP_BAD_TYPE);
+    }
+    /* An ACK must be exactly header + extension. */
+    memset(buf, 0, sizeof(buf));
+    h->magic = MRC_MAGIC;
+    h->version = MRC_WIRE_VERSION;
+    h->type = MRC_PKT_ACK;
+    CHECK(mrc_pkt_validate(buf, MRC_ACK_LEN, 8192) == 0);
+    CHECK(mrc_pkt_validate(buf, MRC_ACK_LEN - 1, 8192) == MRC_DROP_TRUNCATED);
+    CHECK(mrc_pkt_validate(buf, MRC_ACK_LEN + 1, 8192) == MRC_DROP_BAD_LENGTH);
+    char s[160];
+    CHECK(strstr(mrc_pkt_to_string(buf, MRC_ACK_LEN, s, sizeof(s)), "ACK") != NULL);
+    CHECK(strcmp(mrc_drop_str(MRC_DROP_BAD_KEY), "bad_key") == 0);
+    DONE("test_wire");
+    return 0;
+}

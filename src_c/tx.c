@@ -1,0 +1,331 @@
+/*
+ * tx.c - the sender: segmentation into packets, spraying over paths, SACK
+ * processing, loss detection and retransmission on another path.
+ *
+ * Every packet of a connection takes the next connection-wide PSN and is
+ * remembered in the tx ring (psn % window) until acknowledged. Payload is not
+ * copied: a retransmission reads the caller's region again, which is why an
+ * operation's local buffer must stay untouched until it completes (as with
+ * RDMA verbs).
+ */
+#include "internal.h"
+
+#include <string.h>
+
+static inline struct tx_pkt *tx_slot(mrc_conn *c, uint32_t psn)
+{
+    return &c->tx[psn & c->wmask];
+}
+
+void tx_post_pt(mrc_conn *c, mrc_op *op)
+{
+    op->msn = c->next_msn++;
+    op->prev = c->txops_tail;
+    op->next = NULL;
+    if (c->txops_tail)
+        c->txops_tail->next = op;
+    else {
+        c->txops_head = op;
+        /* The connection was idle: the no-progress clock starts now. */
+        c->last_progress_ns = now_ns();
+    }
+    c->txops_tail = op;
+    if (!c->seg_op)
+        c->seg_op = op;
+}
+
+static void txops_unlink(mrc_conn *c, mrc_op *op)
+{
+    if (op->prev)
+        op->prev->next = op->next;
+    else
+        c->txops_head = op->next;
+    if (op->next)
+        op->next->prev = op->prev;
+    else
+        c->txops_tail = op->prev;
+    op->prev = op->next = NULL;
+}
+
+/* Puts packet t on the wire on path p (or loses it to fault injection). */
+static void tx_emit_pt(mrc_conn *c, struct tx_pkt *t, struct path *p, uint64_t now)
+{
+    mrc_ep *ep = c->ep;
+    mrc_op *op = t->op;
+    t->path = (uint8_t)p->id;
+    t->sent_ns = now;
+    p->inflight += t->len + MRC_PKT_OVERHEAD;
+    p->tx_pkts++;
+    p->tx_bytes += t->len;
+    p->last_tx_ns = now;
+    ep->st.tx_pkts++;
+    ep->st.tx_bytes += t->len;
+    if (inject_drop(ep, p)) {
+        p->injected++;
+        ep->st.drops[MRC_DROP_INJECTED]++;
+        return;
+    }
+    uint8_t *buf = sock_tx_slot_pt(ep, p, MRC_DATA_HDR_LEN, op->mr->addr + op->loff + t->off,
+                                   t->len);
+    struct mrc_hdr *h = (struct mrc_hdr *)buf;
+    struct mrc_data_ext *d = (struct mrc_data_ext *)(h + 1);
+    h->magic = MRC_MAGIC;
+    h->version = MRC_WIRE_VERSION;
+    h->type = op->kind == MRC_OP_WRITE ? MRC_PKT_WRITE : MRC_PKT_SEND;
+    h->flags = t->flags;
+    h->path = (uint8_t)p->id;
+    h->len = (uint16_t)t->len;
+    h->conn = c->peer_id;
+    h->psn = t->psn;
+    h->ts = now;
+    d->msn = op->msn;
+    d->imm = op->imm;
+    d->key = op->kind == MRC_OP_WRITE ? op->rkey : op->tag;
+    d->offset = op->kind == MRC_OP_WRITE ? op->roff + t->off : t->off;
+    d->msg_len = op->len;
+}
+
+static bool tx_retransmit_pt(mrc_conn *c, uint64_t now)
+{
+    bool sent = false;
+    while (c->rtx_count) {
+        uint32_t psn = c->rtxq[c->rtx_head];
+        struct tx_pkt *t = tx_slot(c, psn);
+        if (!t->op || t->psn != psn || t->acked || !t->lost) {
+            c->rtx_head = (c->rtx_head + 1) & c->wmask;
+            c->rtx_count--;
+            continue;
+        }
+        /* Always another path than the one that lost it, when there is one. */
+        struct path *p = path_pick_pt(c, t->len, t->path);
+        if (!p || sock_batch_full_pt(c->ep, p->sock))
+            break;
+        t->lost = 0;
+        t->ntx++;
+        p->retx++;
+        c->ep->st.retx++;
+        tx_emit_pt(c, t, p, now);
+        c->rtx_head = (c->rtx_head + 1) & c->wmask;
+        c->rtx_count--;
+        sent = true;
+    }
+    return sent;
+}
+
+/* Sends retransmissions, then new packets, while windows allow. */
+bool tx_run_pt(mrc_conn *c)
+{
+    if (!c->rtx_count && !c->seg_op)
+        return false;
+    uint64_t now = now_ns();
+    bool sent = tx_retransmit_pt(c, now);
+    if (c->rtx_count)
+        return sent; /* losses first: new data waits behind them */
+    while (c->seg_op) {
+        mrc_op *op = c->seg_op;
+        if ((uint32_t)(c->next_psn - c->una) >= c->window)
+            break;
+        /* The receiver tracks MRC_MSGW messages; never send beyond them. */
+        if (op->msn - c->txops_head->msn >= MRC_MSGW)
+            break;
+        uint64_t left = op->len - op->seg_off;
+        uint32_t len = left < c->mss ? (uint32_t)left : c->mss;
+        struct path *p = path_pick_pt(c, len, -1);
+        if (!p || sock_batch_full_pt(c->ep, p->sock))
+            break;
+        struct tx_pkt *t = tx_slot(c, c->next_psn);
+        bool last = op->seg_off + len == op->len;
+        *t = (struct tx_pkt){
+            .op = op,
+            .off = op->seg_off,
+            .len = len,
+            .psn = c->next_psn,
+            .flags = (uint8_t)((op->seg_off == 0 ? MRC_F_FIRST : 0) | (last ? MRC_F_LAST : 0) |
+                               (op->flags & MRC_WRITE_IMM ? MRC_F_IMM : 0)),
+        };
+        c->next_psn++;
+        op->seg_off += len;
+        op->outstanding++;
+        tx_emit_pt(c, t, p, now);
+        sent = true;
+        if (last) {
+            op->seg_done = true;
+            c->seg_op = op->next;
+        }
+    }
+    return sent;
+}
+
+void tx_lose_pt(mrc_conn *c, struct tx_pkt *t, uint64_t now)
+{
+    (void)now;
+    struct path *p = conn_path(c, t->path);
+    if (p) {
+        p->inflight -= t->len + MRC_PKT_OVERHEAD;
+        p->lost++;
+    }
+    t->lost = 1;
+    c->rtxq[(c->rtx_head + c->rtx_count) & c->wmask] = t->psn;
+    c->rtx_count++;
+}
+
+/* Every unacknowledged packet on p is lost: the path is gone. */
+void tx_flush_path_pt(mrc_conn *c, struct path *p, uint64_t now)
+{
+    for (uint32_t psn = c->una; psn != c->next_psn; psn++) {
+        struct tx_pkt *t = tx_slot(c, psn);
+        if (t->op && !t->acked && !t->lost && t->path == p->id)
+            tx_lose_pt(c, t, now);
+    }
+}
+
+static void tx_ack_one_pt(mrc_conn *c, uint32_t psn, uint64_t now)
+{
+    struct tx_pkt *t = tx_slot(c, psn);
+    if (!t->op || t->psn != psn || t->acked)
+        return;
+    t->acked = 1;
+    struct path *p = conn_path(c, t->path);
+    if (p) {
+        if (!t->lost)
+            p->inflight -= t->len + MRC_PKT_OVERHEAD;
+        path_on_acked_pt(p, t->len, now);
+    }
+    if (psn_lt(c->highest_acked, psn))
+        c->highest_acked = psn;
+    mrc_op *op = t->op;
+    if (--op->outstanding == 0 && op->seg_done) {
+        txops_unlink(c, op);
+        op->res_bytes = op->len;
+        op_complete_pt(c->ep, op, 0);
+    }
+}
+
+/*
+ * An ACK: cumulative psn, a 256-bit SACK block, and the echo of the latest
+ * packet the receiver got on path h->path (its send timestamp).
+ */
+void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
+                  const struct mrc_ack_ext *a, uint64_t now)
+{
+    mrc_ep *ep = c->ep;
+    uint32_t cum = h->psn;
+    /* Nothing may be acknowledged that was never sent. */
+    if (psn_diff(cum, c->next_psn) > 0 || psn_diff(a->echo_psn, c->next_psn) >= 0) {
+        DROP(ep, BAD_ACK);
+        return;
+    }
+    int32_t base_off = psn_diff(a->sack_base, c->next_psn);
+    for (int w = 0; w < MRC_SACK_BITS / 64; w++) {
+        uint64_t bits = a->sack[w];
+        if (!bits)
+            continue;
+        int hi = w * 64 + 63 - __builtin_clzll(bits);
+        if (base_off + hi >= 0) {
+            DROP(ep, BAD_ACK);
+            return;
+        }
+    }
+    ep->st.acks_rx++;
+    uint32_t una0 = c->una;
+    if (psn_diff(cum, c->una) > 0)
+        for (uint32_t psn = c->una; psn != cum; psn++)
+            tx_ack_one_pt(c, psn, now);
+    /* SACK bits below una are old news; above next_psn were rejected. */
+    for (int w = 0; w < MRC_SACK_BITS / 64; w++) {
+        uint64_t bits = a->sack[w];
+        while (bits) {
+            int b = __builtin_ctzll(bits);
+            bits &= bits - 1;
+            uint32_t psn = a->sack_base + (uint32_t)(w * 64 + b);
+            if (psn_diff(psn, c->una) >= 0)
+                tx_ack_one_pt(c, psn, now);
+        }
+    }
+    while (c->una != c->next_psn && tx_slot(c, c->una)->acked) {
+        tx_slot(c, c->una)->op = NULL;
+        c->una++;
+    }
+    if (c->una != una0)
+        c->last_progress_ns = now;
+
+    /* Delay of the echoed path; a timestamp from the future or from long ago
+     * is forged or stale, and not a sample. */
+    if (p && h->ts <= now && now - h->ts < 10000000000ull) {
+        path_on_rtt_pt(p, now - h->ts, now);
+        if (h->ts > p->delivered_ts)
+            p->delivered_ts = h->ts;
+        p->last_rx_ns = now;
+        p->consec_loss = 0;
+        if (p->state == MRC_PATH_SUSPECT && h->ts > p->state_since)
+            path_set_state_pt(c, p, MRC_PATH_GOOD, now);
+    }
+
+    /* RACK-style loss detection, per path: a packet is lost when a packet
+     * sent after it on the same path has been delivered (paths are FIFO). */
+    if (psn_diff(c->highest_acked, c->una) > 0) {
+        for (uint32_t psn = c->una; psn_lt(psn, c->highest_acked); psn++) {
+            struct tx_pkt *t = tx_slot(c, psn);
+            if (!t->op || t->acked || t->lost)
+                continue;
+            struct path *q = conn_path(c, t->path);
+            if (q && q->delivered_ts > t->sent_ns) {
+                tx_lose_pt(c, t, now);
+                path_on_loss_pt(c, q, false, now);
+            }
+        }
+    }
+}
+
+/* The peer refused a packet (bad key or bounds): RDMA's remote access error.
+ * The operation fails with the reason and the connection goes to error, as
+ * an RC queue pair does; the peer is told with a CLOSE. */
+void tx_on_nak_pt(mrc_conn *c, const struct mrc_hdr *h, const struct mrc_nak_ext *n)
+{
+    struct tx_pkt *t = tx_slot(c, h->psn);
+    if (!t->op || t->psn != h->psn || t->acked || t->op->msn != n->msn ||
+        (n->code != MRC_NAK_KEY && n->code != MRC_NAK_BOUNDS)) {
+        DROP(c->ep, BAD_ACK);
+        return;
+    }
+    mrc_op *op = t->op;
+    txops_unlink(c, op);
+    if (c->seg_op == op)
+        c->seg_op = NULL; /* conn_fail_pt below drops everything else */
+    op_complete_pt(c->ep, op, n->code == MRC_NAK_KEY ? MRC_EKEY : MRC_EBOUNDS);
+    conn_fail_pt(c, MRC_EREMOTE, MRC_EREMOTE);
+}
+
+/* Retransmission timeouts: a packet unacknowledged for its path's RTO is
+ * lost, and so, most likely, is the path. */
+void tx_timers_pt(mrc_conn *c, uint64_t now)
+{
+    for (uint32_t psn = c->una; psn != c->next_psn; psn++) {
+        struct tx_pkt *t = tx_slot(c, psn);
+        if (!t->op || t->acked || t->lost)
+            continue;
+        struct path *p = conn_path(c, t->path);
+        if (!p || now - t->sent_ns < path_rto(p))
+            continue;
+        tx_lose_pt(c, t, now);
+        path_on_loss_pt(c, p, true, now);
+    }
+}
+
+/* Fails every operation still queued for sending (connection going away). */
+void tx_release_pt(mrc_conn *c)
+{
+    int err = c->error ? c->error : MRC_ECLOSED;
+    while (c->txops_head) {
+        mrc_op *op = c->txops_head;
+        txops_unlink(c, op);
+        op_complete_pt(c->ep, op, err);
+    }
+    c->seg_op = NULL;
+    c->rtx_count = 0;
+    if (c->tx)
+        memset(c->tx, 0, sizeof(*c->tx) * c->window);
+    for (int i = 0; i < c->npaths; i++)
+        c->paths[i].inflight = 0;
+    c->una = c->next_psn;
+}

@@ -1,0 +1,113 @@
+/*
+ * wire.h - the mrc packet format (one UDP datagram = one packet).
+ *
+ * Every packet starts with the common header; its type says which extension
+ * follows. All fields are little-endian (the code requires a little-endian
+ * host and refuses to build elsewhere). Byte-by-byte layout: docs/wire.md.
+ *
+ *  0                   1                   2                   3
+ *  0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1
+ * +-------------------------------+---------------+---------------+
+ * |         magic 0x4d52          |  version = 1  |     type      |
+ * +---------------+---------------+-------------------------------+
+ * |     flags     |    path id    |        payload length         |
+ * +---------------+---------------+-------------------------------+
+ * |              connection id (the receiver's id)                |
+ * +---------------------------------------------------------------+
+ * |      psn (DATA: this packet; ACK: cumulative; NAK: refused)    |
+ * +---------------------------------------------------------------+
+ * |         timestamp, ns (DATA/PROBE: sender's; ACK: echoed)      |
+ * |                                                               |
+ * +---------------------------------------------------------------+
+ *  DATA (WRITE, SEND) extension, 32 bytes:
+ * |  msn  |  imm  |  key (WRITE: rkey; SEND: tag)  |  offset  |  msg_len  |
+ *  ACK extension, 40 bytes:
+ * |  sack_base  |  echo_psn  |  sack bitmap, 256 bits (psn sack_base + i)  |
+ *  NAK extension, 8 bytes:  |  msn  |  code  |
+ */
+#ifndef MRC_WIRE_H
+#define MRC_WIRE_H
+
+#include <assert.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "mrc's wire format is little-endian and this code assumes a little-endian host"
+#endif
+
+#define MRC_MAGIC 0x4d52u
+#define MRC_WIRE_VERSION 1u
+
+enum mrc_pkt_type {
+    MRC_PKT_WRITE = 1,     /* DATA: RDMA WRITE into (key, offset) */
+    MRC_PKT_SEND = 2,      /* DATA: part of a two-sided tagged message */
+    MRC_PKT_ACK = 3,       /* cumulative + selective ack, echoes path and ts */
+    MRC_PKT_NAK = 4,       /* a DATA packet was refused (key/bounds) */
+    MRC_PKT_PROBE = 5,     /* path liveness probe */
+    MRC_PKT_PROBE_ACK = 6, /* answer to a probe, echoes path and ts */
+    MRC_PKT_CLOSE = 7,     /* the sender closed the connection */
+    MRC_PKT_TYPE_MAX = 8,
+};
+
+/* DATA flags */
+#define MRC_F_FIRST 0x01u /* first packet of a message */
+#define MRC_F_LAST 0x02u  /* last packet of a message */
+#define MRC_F_IMM 0x04u   /* WRITE with immediate: deliver imm when complete */
+
+struct mrc_hdr {
+    uint16_t magic;
+    uint8_t version;
+    uint8_t type;
+    uint8_t flags;
+    uint8_t path;
+    uint16_t len;  /* payload bytes after the extension */
+    uint32_t conn; /* receiver's connection id */
+    uint32_t psn;
+    uint64_t ts;
+};
+static_assert(sizeof(struct mrc_hdr) == 24, "common header is 24 bytes");
+
+struct mrc_data_ext {
+    uint32_t msn;      /* message sequence number on the connection */
+    uint32_t imm;
+    uint64_t key;      /* WRITE: remote key; SEND: tag */
+    uint64_t offset;   /* WRITE: offset in the region; SEND: offset in message */
+    uint64_t msg_len;  /* total bytes of the message */
+};
+static_assert(sizeof(struct mrc_data_ext) == 32, "data extension is 32 bytes");
+
+#define MRC_SACK_BITS 256
+struct mrc_ack_ext {
+    uint32_t sack_base;
+    uint32_t echo_psn;
+    uint64_t sack[MRC_SACK_BITS / 64];
+};
+static_assert(sizeof(struct mrc_ack_ext) == 40, "ack extension is 40 bytes");
+
+struct mrc_nak_ext {
+    uint32_t msn;
+    uint32_t code; /* MRC_NAK_* */
+};
+static_assert(sizeof(struct mrc_nak_ext) == 8, "nak extension is 8 bytes");
+
+enum { MRC_NAK_KEY = 1, MRC_NAK_BOUNDS = 2 };
+
+#define MRC_DATA_HDR_LEN (sizeof(struct mrc_hdr) + sizeof(struct mrc_data_ext))
+#define MRC_ACK_LEN (sizeof(struct mrc_hdr) + sizeof(struct mrc_ack_ext))
+#define MRC_NAK_LEN (sizeof(struct mrc_hdr) + sizeof(struct mrc_nak_ext))
+#define MRC_CTRL_LEN (sizeof(struct mrc_hdr))
+
+/* Checks that buf[0..len) is a well-formed packet: header, extension and
+ * payload length agree, payload no larger than max_payload. Returns 0 or an
+ * MRC_DROP_* reason. Pure: touches no state, so it runs before anything else. */
+int mrc_pkt_validate(const void *buf, size_t len, uint32_t max_payload);
+
+/* One-line description of a packet for logs; returns buf. */
+char *mrc_pkt_to_string(const void *pkt, size_t len, char *buf, size_t buflen);
+
+/* Serial-number arithmetic on 32-bit PSNs (RFC 1982). */
+static inline int32_t psn_diff(uint32_t a, uint32_t b) { return (int32_t)(a - b); }
+static inline int psn_lt(uint32_t a, uint32_t b) { return psn_diff(a, b) < 0; }
+
+#endif /* MRC_WIRE_H */
