@@ -1,5 +1,49 @@
-"""mrc: a multipath, RDMA-style reliable transport with SRv6 source routing."""
+"""mrc: a multipath, RDMA-style reliable transport with SRv6 source routing.
+
+    ep = mrc.Endpoint(["127.0.0.1", "127.0.0.2"])
+    conn = ep.connect("127.0.0.3", port)
+    mr = ep.register(numpy_array)
+    conn.write(mr, remote_descriptor).wait()
+"""
 
 from __future__ import annotations
 
+from mrc._datapath import (
+    TAG_ANY,
+    Connection,
+    Endpoint,
+    MemoryRegion,
+    Operation,
+    RemoteRegion,
+)
+from mrc.errors import (
+    ConnectionClosedError,
+    KeyRejectedError,
+    MrcError,
+    PathDownError,
+    ProtocolError,
+    TimeoutError,
+    TruncatedError,
+    UnreachableError,
+    UsageError,
+)
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "TAG_ANY",
+    "Connection",
+    "ConnectionClosedError",
+    "Endpoint",
+    "KeyRejectedError",
+    "MemoryRegion",
+    "MrcError",
+    "Operation",
+    "PathDownError",
+    "ProtocolError",
+    "RemoteRegion",
+    "TimeoutError",
+    "TruncatedError",
+    "UnreachableError",
+    "UsageError",
+]

@@ -8,6 +8,11 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older glibc headers lack it */
+#endif
 #include <sys/random.h>
 #include <unistd.h>
 
@@ -284,7 +289,7 @@ int mrc_ep_inject(mrc_ep *ep, int plane, double tx_loss, int down)
     return ep_ctl(ep, &c);
 }
 
-int mrc_ep_stats(mrc_ep *ep, struct mrc_ep_stats *st, struct mrc_path_stats *paths,
+int mrc_ep_get_stats(mrc_ep *ep, struct mrc_ep_stats *st, struct mrc_path_stats *paths,
                  int max_paths)
 {
     struct ctl c = {.type = CTL_STATS, .arg = st, .arg2 = paths, .iarg = paths ? max_paths : 0};
@@ -308,6 +313,15 @@ int mrc_mr_reg(mrc_ep *ep, void *addr, size_t len, int access, mrc_mr **out)
     }
     uint32_t slot = ep->mr_free[--ep->nmr_free];
     pthread_mutex_unlock(&ep->lock);
+    /* Fault the pages in now, as RDMA registration pins them: a first-touch
+     * page fault inside the progress thread stalls every connection for
+     * milliseconds. Best effort (MADV_POPULATE_WRITE: Linux 5.14+). */
+    if (len && (access & MRC_ACCESS_REMOTE_WRITE)) {
+        uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+        uintptr_t lo = (uintptr_t)addr & ~(pg - 1);
+        uintptr_t hi = ((uintptr_t)addr + len + pg - 1) & ~(pg - 1);
+        madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE);
+    }
     mr->ep = ep;
     mr->addr = addr;
     mr->len = len;
@@ -469,7 +483,7 @@ int mrc_op_wait(mrc_op *op, int timeout_ms)
 
 int mrc_op_done(mrc_op *op) { return mrc_op_wait(op, 0) == 0; }
 
-void mrc_op_result(mrc_op *op, struct mrc_op_result *res)
+void mrc_op_get_result(mrc_op *op, struct mrc_op_result *res)
 {
     mrc_ep *ep = op->ep;
     pthread_mutex_lock(&ep->lock);

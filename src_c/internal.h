@@ -35,7 +35,7 @@
 
 /* Timing policy (ns). */
 #define MRC_TIMER_NS 250000ull          /* timer scan period */
-#define MRC_MIN_RTO_NS 2000000ull       /* floor of a path's retransmit timeout */
+#define MRC_MIN_RTO_NS 5000000ull       /* floor of a path's retransmit timeout */
 #define MRC_PROBE_INTERVAL_NS 5000000ull /* failed/probing paths are probed this often */
 #define MRC_KEEPALIVE_NS 50000000ull    /* idle paths of a busy connection */
 #define MRC_PROBES_TO_GOOD 3            /* consecutive probe answers that heal a path */

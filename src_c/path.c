@@ -36,7 +36,10 @@ void path_init(struct path *p, uint32_t mss)
 static uint64_t target_delay(const struct path *p)
 {
     uint64_t base = p->base_rtt == UINT64_MAX ? 0 : p->base_rtt;
-    return base > 100000 ? base : 100000; /* at least 100 us of queue */
+    /* A software datapath's delay is mostly batching and scheduling, not
+     * queueing: allow 1 ms (a few MB at tens of Gbit/s, well inside the
+     * socket buffers) before calling it congestion. */
+    return base > 1000000 ? base : 1000000;
 }
 
 static bool congested(const struct path *p)
@@ -224,17 +227,20 @@ void path_on_loss_pt(mrc_conn *c, struct path *p, bool timeout, uint64_t now)
         path_set_state_pt(c, p, MRC_PATH_FAILED, now);
         return;
     }
+    /* Suspect: no new data until a probe gets through. What is in flight
+     * stays: if the path is dead it times out packet by packet within about
+     * a millisecond, and if it was only slow it still arrives. */
     if (p->state == MRC_PATH_GOOD)
         path_set_state_pt(c, p, MRC_PATH_SUSPECT, now);
-    /* A timeout means nothing came back: what is in flight there is gone. */
-    if (timeout)
-        tx_flush_path_pt(c, p, now);
 }
 
 void path_on_probe_ack_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t now)
 {
     if (!p->probe_out || ts != p->probe_sent_ns) {
-        DROP(c->ep, BAD_ACK); /* not the probe we sent: stale or forged */
+        /* An answer to an older probe (given up on) is late, not hostile;
+         * one for a probe never sent is forged. */
+        if (ts > p->probe_sent_ns || ts > now)
+            DROP(c->ep, BAD_ACK);
         return;
     }
     p->probe_out = false;
@@ -265,8 +271,9 @@ void path_timers_pt(mrc_conn *c, uint64_t now, bool busy)
     for (int i = 0; i < c->npaths; i++) {
         struct path *p = &c->paths[i];
         uint64_t rto = path_rto(p);
-        if (p->probe_out && now - p->probe_sent_ns > rto) {
+        if (p->probe_out && now - p->probe_sent_ns > 2 * rto) {
             p->probe_out = false;
+            c->ep->st.probe_timeouts++;
             p->consec_loss++;
             if (p->state != MRC_PATH_FAILED)
                 path_set_state_pt(c, p, p->state == MRC_PATH_GOOD ? MRC_PATH_SUSPECT

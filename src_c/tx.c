@@ -174,8 +174,10 @@ void tx_flush_path_pt(mrc_conn *c, struct path *p, uint64_t now)
 {
     for (uint32_t psn = c->una; psn != c->next_psn; psn++) {
         struct tx_pkt *t = tx_slot(c, psn);
-        if (t->op && !t->acked && !t->lost && t->path == p->id)
+        if (t->op && !t->acked && !t->lost && t->path == p->id) {
+            c->ep->st.lost_flush++;
             tx_lose_pt(c, t, now);
+        }
     }
 }
 
@@ -262,17 +264,22 @@ void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
     }
 
     /* RACK-style loss detection, per path: a packet is lost when a packet
-     * sent after it on the same path has been delivered (paths are FIFO). */
-    if (psn_diff(c->highest_acked, c->una) > 0) {
-        for (uint32_t psn = c->una; psn_lt(psn, c->highest_acked); psn++) {
-            struct tx_pkt *t = tx_slot(c, psn);
-            if (!t->op || t->acked || t->lost)
-                continue;
-            struct path *q = conn_path(c, t->path);
-            if (q && q->delivered_ts > t->sent_ns) {
-                tx_lose_pt(c, t, now);
-                path_on_loss_pt(c, q, false, now);
-            }
+     * sent after it on the same path has been delivered (paths are FIFO).
+     * Only packets this ACK's SACK block speaks for are judged: one below the
+     * block may have arrived and been reported elsewhere. */
+    uint32_t from = psn_diff(a->sack_base, c->una) > 0 ? a->sack_base : c->una;
+    uint32_t to = a->sack_base + MRC_SACK_BITS;
+    if (psn_lt(c->highest_acked, to))
+        to = c->highest_acked;
+    for (uint32_t psn = from; psn_lt(psn, to); psn++) {
+        struct tx_pkt *t = tx_slot(c, psn);
+        if (!t->op || t->acked || t->lost)
+            continue;
+        struct path *q = conn_path(c, t->path);
+        if (q && q->delivered_ts > t->sent_ns) {
+            c->ep->st.lost_rack++;
+            tx_lose_pt(c, t, now);
+            path_on_loss_pt(c, q, false, now);
         }
     }
 }
@@ -296,8 +303,10 @@ void tx_on_nak_pt(mrc_conn *c, const struct mrc_hdr *h, const struct mrc_nak_ext
     conn_fail_pt(c, MRC_EREMOTE, MRC_EREMOTE);
 }
 
-/* Retransmission timeouts: a packet unacknowledged for its path's RTO is
- * lost, and so, most likely, is the path. */
+/* Retransmission timeouts: a packet unacknowledged for its path's RTO, on a
+ * path that has been silent as long, is lost, and so, most likely, is the
+ * path. (While a path still answers, RACK above finds its losses; a slow
+ * answer is not a loss.) */
 void tx_timers_pt(mrc_conn *c, uint64_t now)
 {
     for (uint32_t psn = c->una; psn != c->next_psn; psn++) {
@@ -305,8 +314,10 @@ void tx_timers_pt(mrc_conn *c, uint64_t now)
         if (!t->op || t->acked || t->lost)
             continue;
         struct path *p = conn_path(c, t->path);
-        if (!p || now - t->sent_ns < path_rto(p))
+        uint64_t rto = p ? path_rto(p) : 0;
+        if (!p || now - t->sent_ns < rto || now - p->last_rx_ns < rto)
             continue;
+        c->ep->st.lost_rto++;
         tx_lose_pt(c, t, now);
         path_on_loss_pt(c, p, true, now);
     }

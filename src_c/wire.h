@@ -21,8 +21,8 @@
  * +---------------------------------------------------------------+
  *  DATA (WRITE, SEND) extension, 32 bytes:
  * |  msn  |  imm  |  key (WRITE: rkey; SEND: tag)  |  offset  |  msg_len  |
- *  ACK extension, 40 bytes:
- * |  sack_base  |  echo_psn  |  sack bitmap, 256 bits (psn sack_base + i)  |
+ *  ACK extension, 72 bytes:
+ * |  sack_base  |  echo_psn  |  sack bitmap, 512 bits (psn sack_base + i)  |
  *  NAK extension, 8 bytes:  |  msn  |  code  |
  */
 #ifndef MRC_WIRE_H
@@ -77,13 +77,13 @@ struct mrc_data_ext {
 };
 static_assert(sizeof(struct mrc_data_ext) == 32, "data extension is 32 bytes");
 
-#define MRC_SACK_BITS 256
+#define MRC_SACK_BITS 512
 struct mrc_ack_ext {
     uint32_t sack_base;
     uint32_t echo_psn;
     uint64_t sack[MRC_SACK_BITS / 64];
 };
-static_assert(sizeof(struct mrc_ack_ext) == 40, "ack extension is 40 bytes");
+static_assert(sizeof(struct mrc_ack_ext) == 72, "ack extension is 72 bytes");
 
 struct mrc_nak_ext {
     uint32_t msn;

@@ -146,7 +146,7 @@ struct mrc_op_result {
     uint64_t bytes;  /* bytes transferred (RECV: message length) */
     uint64_t tag;    /* RECV: tag of the matched message */
 };
-void mrc_op_result(mrc_op *op, struct mrc_op_result *res);
+void mrc_op_get_result(mrc_op *op, struct mrc_op_result *res);
 /* Drops the caller's reference; the op may still be in flight. */
 void mrc_op_release(mrc_op *op);
 
@@ -206,13 +206,17 @@ struct mrc_path_stats {
 struct mrc_ep_stats {
     uint64_t drops[MRC_DROP_MAX];
     uint64_t tx_pkts, rx_pkts, tx_bytes, rx_bytes, retx, acks_tx, acks_rx;
+    uint64_t lost_rack;      /* declared lost: a later packet on its path arrived */
+    uint64_t lost_rto;       /* declared lost: retransmission timeout */
+    uint64_t lost_flush;     /* declared lost: its path failed or timed out */
+    uint64_t probe_timeouts;
     uint64_t loop_iters;
     int nconns;
     int npaths;     /* entries filled in paths[] */
 };
 
 /* Snapshot taken by the progress thread. paths may be NULL. */
-int mrc_ep_stats(mrc_ep *ep, struct mrc_ep_stats *st, struct mrc_path_stats *paths,
+int mrc_ep_get_stats(mrc_ep *ep, struct mrc_ep_stats *st, struct mrc_path_stats *paths,
                  int max_paths);
 
 #ifdef __cplusplus

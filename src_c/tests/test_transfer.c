@@ -77,7 +77,7 @@ static int wait_status(mrc_op *op)
 {
     CHECK(mrc_op_wait(op, 10000) == 0);
     struct mrc_op_result r;
-    mrc_op_result(op, &r);
+    mrc_op_get_result(op, &r);
     mrc_op_release(op);
     if (getenv("MRC_TEST_VERBOSE"))
         fprintf(stderr, "op status %d (%s)\n", r.status, mrc_strerror(r.status));
@@ -127,7 +127,7 @@ static void test_send_recv(struct pair *p)
     CHECK_RC(mrc_post_recv(p->cb, md, size, size, MRC_TAG_ANY, &r2));
     CHECK(mrc_op_wait(r1, 5000) == 0 && mrc_op_wait(r2, 5000) == 0);
     struct mrc_op_result res;
-    mrc_op_result(r2, &res);
+    mrc_op_get_result(r2, &res);
     CHECK(res.status == 0 && res.tag == 6 && res.bytes == size);
     CHECK(wait_status(r1) == 0);
     mrc_op_release(r2);
@@ -196,7 +196,7 @@ static void test_bad_key(void)
     for (size_t i = 0; i < sizeof(dst); i++)
         CHECK(dst[i] == 0x5A);
     struct mrc_ep_stats st;
-    CHECK_RC(mrc_ep_stats(p.b, &st, NULL, 0));
+    CHECK_RC(mrc_ep_get_stats(p.b, &st, NULL, 0));
     CHECK(st.drops[MRC_DROP_BAD_KEY] >= 1);
     mrc_mr_dereg(ms);
     mrc_mr_dereg(md);
@@ -262,10 +262,10 @@ int main(void)
     test_write(&p, 1 << 20);
     struct mrc_ep_stats st;
     struct mrc_path_stats ps[16];
-    CHECK_RC(mrc_ep_stats(p.a, &st, ps, 16));
+    CHECK_RC(mrc_ep_get_stats(p.a, &st, ps, 16));
     CHECK(st.retx > 0 && st.drops[MRC_DROP_INJECTED] > 0);
     CHECK(ps[2].state == MRC_PATH_FAILED || ps[2].state == MRC_PATH_SUSPECT);
-    CHECK_RC(mrc_ep_stats(p.b, &st, NULL, 0));
+    CHECK_RC(mrc_ep_get_stats(p.b, &st, NULL, 0));
     uint64_t junk = st.drops[MRC_DROP_TRUNCATED] + st.drops[MRC_DROP_BAD_MAGIC] +
                     st.drops[MRC_DROP_BAD_TYPE] + st.drops[MRC_DROP_BAD_LENGTH] +
                     st.drops[MRC_DROP_UNKNOWN_CONN] + st.drops[MRC_DROP_BAD_VERSION] +

@@ -1,0 +1,602 @@
+# cython: language_level=3
+"""Thin binding of the C datapath (src_c). Every blocking call releases the GIL;
+nothing here runs per packet."""
+
+from cpython.buffer cimport PyBUF_WRITABLE, PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from libc.stdint cimport uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memset, strncpy
+
+cimport mrc._mrc as c
+
+import struct
+import weakref
+
+from mrc import errors
+
+TAG_ANY = c.MRC_TAG_ANY
+
+_ERRORS = {
+    c.MRC_EKEY: errors.KeyRejectedError,
+    c.MRC_EBOUNDS: errors.KeyRejectedError,
+    c.MRC_ETIMEOUT: errors.TimeoutError,
+    c.MRC_EPATHDOWN: errors.PathDownError,
+    c.MRC_ECLOSED: errors.ConnectionClosedError,
+    c.MRC_EREMOTE: errors.ConnectionClosedError,
+    c.MRC_EPROTO: errors.ProtocolError,
+    c.MRC_ETRUNC: errors.TruncatedError,
+    c.MRC_EUNREACH: errors.UnreachableError,
+    c.MRC_EUSAGE: errors.UsageError,
+    c.MRC_ENOBUFS: errors.MrcError,
+}
+
+_OP_KINDS = {c.MRC_OP_WRITE: "write", c.MRC_OP_SEND: "send", c.MRC_OP_RECV: "recv"}
+
+
+def strerror(int rc) -> str:
+    return c.mrc_strerror(rc).decode()
+
+
+def error_for(int rc, str what) -> errors.MrcError:
+    """The Python exception for a C return code, with what failed in its message."""
+    cls = _ERRORS.get(rc, errors.MrcError)
+    exc = cls(f"{what}: {c.mrc_strerror(rc).decode()}")
+    exc.code = rc
+    return exc
+
+
+cdef inline int check(int rc, what) except -1:
+    if rc != 0:
+        raise error_for(rc, what() if callable(what) else what)
+    return 0
+
+
+cdef int _ms(timeout) except? -2:
+    """Seconds (None: forever) to the C API's milliseconds."""
+    if timeout is None:
+        return -1
+    if timeout < 0:
+        raise errors.UsageError(f"timeout must be >= 0 seconds, got {timeout}")
+    return <int>min(timeout * 1000.0, 2**31 - 1)
+
+
+cdef _copy_str(char *dst, str s, int size, what):
+    b = s.encode()
+    if len(b) >= size:
+        raise errors.UsageError(f"{what} too long: {s!r}")
+    strncpy(dst, b, size)
+
+
+class RemoteRegion:
+    """What a peer needs to WRITE into a region: its key and size. Send it to the
+    peer (``pack()`` gives 16 bytes) through any channel, e.g. a SEND."""
+
+    __slots__ = ("key", "size")
+    _FMT = struct.Struct("<QQ")
+
+    def __init__(self, key: int, size: int) -> None:
+        self.key = key
+        self.size = size
+
+    def pack(self) -> bytes:
+        return self._FMT.pack(self.key, self.size)
+
+    @classmethod
+    def unpack(cls, data) -> "RemoteRegion":
+        if len(data) != cls._FMT.size:
+            raise errors.UsageError(
+                f"a packed RemoteRegion is {cls._FMT.size} bytes, got {len(data)}")
+        return cls(*cls._FMT.unpack(bytes(data)))
+
+    def __repr__(self) -> str:
+        return f"RemoteRegion(key={self.key:#x}, size={self.size})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RemoteRegion) and (self.key, self.size) == (other.key, other.size)
+
+    def __hash__(self) -> int:
+        return hash((self.key, self.size))
+
+
+cdef class Endpoint:
+    """One per process: the local NIC planes, their sockets and the progress thread."""
+
+    cdef c.mrc_ep *ep
+    cdef object _children  # WeakSet of Connection and MemoryRegion
+    cdef readonly tuple planes
+    cdef readonly int mss
+    cdef readonly double timeout
+
+    def __cinit__(self):
+        self.ep = NULL
+        self._children = weakref.WeakSet()
+
+    def __init__(self, planes=("127.0.0.1",), *, int port=0, int mss=8192,
+                 double timeout=5.0, int window=4096, int sockbuf=8 << 20):
+        cdef c.mrc_ep_config cfg
+        planes = [planes] if isinstance(planes, str) else list(planes)
+        if not 1 <= len(planes) <= c.MRC_MAX_PLANES:
+            raise errors.UsageError(
+                f"an endpoint needs 1 to {c.MRC_MAX_PLANES} planes, got {len(planes)}")
+        if not 64 <= mss <= 65000:
+            raise errors.UsageError(f"mss must be 64..65000 bytes, got {mss}")
+        if window < 64 or window & (window - 1) or window > (1 << 20):
+            raise errors.UsageError(f"window must be a power of two in 64..2^20, got {window}")
+        if not 0 < timeout < 2**31 / 1000:
+            raise errors.UsageError(f"timeout must be > 0 seconds, got {timeout}")
+        if not 0 <= port < 65536:
+            raise errors.UsageError(f"port must be 0..65535, got {port}")
+        c.mrc_ep_config_init(&cfg)
+        cfg.nplanes = len(planes)
+        for i, a in enumerate(planes):
+            _copy_str(cfg.planes[i], str(a), c.MRC_ADDR_STRLEN, "plane address")
+        cfg.udp_port = port
+        cfg.mss = mss
+        cfg.timeout_ms = <uint32_t>(timeout * 1000)
+        cfg.window = window
+        cfg.sockbuf = sockbuf
+        cdef int rc
+        with nogil:
+            rc = c.mrc_ep_create(&cfg, &self.ep)
+        check(rc, lambda: f"Failed to create an endpoint on planes {', '.join(map(str, planes))}")
+        self.mss = mss
+        self.timeout = timeout
+        cdef char buf[64]
+        cdef uint16_t p
+        out = []
+        for i in range(len(planes)):
+            c.mrc_ep_plane(self.ep, i, buf, sizeof(buf), &p)
+            out.append((buf.decode(), p))
+        self.planes = tuple(out)
+
+    cdef c.mrc_ep *_ptr(self) except NULL:
+        if self.ep == NULL:
+            raise errors.ConnectionClosedError("endpoint is closed")
+        return self.ep
+
+    def listen(self, int port=0, str addr=None) -> int:
+        """Accept connections on TCP `port` (0: any) of `addr` (default: plane 0).
+        Returns the port."""
+        cdef uint16_t bound = 0
+        cdef int rc
+        cdef c.mrc_ep *ep = self._ptr()
+        b = addr.encode() if addr else b""
+        cdef const char *a = b  # empty: plane 0
+        with nogil:
+            rc = c.mrc_ep_listen(ep, a, port, &bound)
+        check(rc, lambda: f"Failed to listen on {addr or self.planes[0][0]} port {port}")
+        return bound
+
+    def connect(self, str addr, int port, *, timeout=5.0, paths=None, str name="") -> Connection:
+        """Connect to an endpoint listening on addr:port. `paths` (optional) is a
+        list of objects with id, plane, dst_addr and segments (mrc.routing.Path)."""
+        cdef c.mrc_ep *ep = self._ptr()
+        cdef c.mrc_conn *cp = NULL
+        check(c.mrc_conn_create(ep, name.encode(), &cp), "Failed to create a connection")
+        conn = Connection._wrap(self, cp)
+        if paths:
+            conn._add_paths(paths)
+        cdef int rc
+        cdef int ms = _ms(timeout)
+        b = addr.encode()
+        cdef const char *a = b
+        with nogil:
+            rc = c.mrc_conn_connect(cp, a, port, ms)
+        if rc:
+            conn.close()
+            raise error_for(rc, f"Failed to connect to {addr} port {port}")
+        return conn
+
+    def accept(self, *, timeout=None, paths=None) -> Connection:
+        """Wait for one connection. `paths` may be a list (as for connect) or a
+        callable taking the peer's name and returning that list."""
+        cdef c.mrc_ep *ep = self._ptr()
+        cdef c.mrc_conn *cp = NULL
+        cdef int rc
+        cdef int ms = _ms(timeout)
+        with nogil:
+            rc = c.mrc_ep_accept(ep, ms, &cp)
+        if rc == c.MRC_ETIMEOUT:
+            raise errors.TimeoutError(f"no peer connected within {timeout} s")
+        check(rc, "Failed to accept a connection")
+        conn = Connection._wrap(self, cp)
+        if callable(paths):
+            paths = paths(conn.peer_name)
+        try:
+            if paths:
+                conn._add_paths(paths)
+            with nogil:
+                rc = c.mrc_conn_establish(cp, ms)
+            check(rc, lambda: f"Failed to establish a connection with {conn.peer_name or 'peer'}")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def register(self, obj, *, bint remote_write=True) -> MemoryRegion:
+        """Register a writable buffer (bytearray, numpy array, memoryview...).
+        The region keeps a reference to `obj` until closed."""
+        mr = MemoryRegion._make(self, obj, remote_write)
+        self._children.add(mr)
+        return mr
+
+    def inject(self, int plane, double loss=0.0, bint down=False) -> None:
+        """Fault injection on a local plane: drop each sent packet with probability
+        `loss`; `down` drops everything sent and received, like a pulled cable."""
+        if not 0 <= plane < len(self.planes):
+            raise errors.UsageError(f"plane {plane} does not exist (0..{len(self.planes) - 1})")
+        if not 0.0 <= loss <= 1.0:
+            raise errors.UsageError(f"loss must be a probability in [0, 1], got {loss}")
+        check(c.mrc_ep_inject(self._ptr(), plane, loss, down), "Failed to inject a fault")
+
+    def stats(self) -> dict:
+        """Counters: totals, drops by reason, and one entry per path of every connection."""
+        cdef c.mrc_ep_stats st
+        cdef int cap = 1024
+        cdef c.mrc_path_stats *ps = <c.mrc_path_stats *>malloc(cap * sizeof(c.mrc_path_stats))
+        cdef int rc
+        cdef c.mrc_ep *ep = self._ptr()
+        if ps == NULL:
+            raise MemoryError()
+        try:
+            with nogil:
+                rc = c.mrc_ep_get_stats(ep, &st, ps, cap)
+            check(rc, "Failed to read endpoint stats")
+            paths = []
+            for i in range(st.npaths):
+                p = &ps[i]
+                paths.append({
+                    "conn": p.conn_index, "conn_id": p.conn_id, "path": p.id,
+                    "plane": p.plane, "state": c.mrc_path_state_str(p.state).decode(),
+                    "dst": p.dst.decode(), "segments": p.nsegs,
+                    "tx_pkts": p.tx_pkts, "tx_bytes": p.tx_bytes,
+                    "rx_pkts": p.rx_pkts, "rx_bytes": p.rx_bytes,
+                    "retx": p.retx, "lost": p.lost, "injected": p.injected,
+                    "probes": p.probes, "srtt_us": p.srtt_ns / 1000.0,
+                    "base_rtt_us": p.base_rtt_ns / 1000.0, "cwnd": p.cwnd_bytes,
+                    "inflight": p.inflight_bytes, "state_changes": p.state_changes,
+                })
+            return {
+                "tx_pkts": st.tx_pkts, "rx_pkts": st.rx_pkts, "tx_bytes": st.tx_bytes,
+                "rx_bytes": st.rx_bytes, "retx": st.retx, "acks_tx": st.acks_tx,
+                "acks_rx": st.acks_rx, "lost_rack": st.lost_rack, "lost_rto": st.lost_rto,
+                "lost_flush": st.lost_flush, "probe_timeouts": st.probe_timeouts,
+                "loop_iters": st.loop_iters, "conns": st.nconns,
+                "drops": {c.mrc_drop_str(i).decode(): st.drops[i]
+                          for i in range(1, c.MRC_DROP_MAX)},
+                "paths": paths,
+            }
+        finally:
+            free(ps)
+
+    def close(self) -> None:
+        """Close every connection and region, then stop the progress thread."""
+        if self.ep == NULL:
+            return
+        for child in list(self._children):
+            child.close()
+        with nogil:
+            c.mrc_ep_destroy(self.ep)
+        self.ep = NULL
+
+    @property
+    def closed(self) -> bool:
+        return self.ep == NULL
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __dealloc__(self):
+        if self.ep != NULL:
+            c.mrc_ep_destroy(self.ep)
+            self.ep = NULL
+
+    def __repr__(self) -> str:
+        planes = ", ".join(f"{a}:{p}" for a, p in self.planes)
+        return f"<mrc.Endpoint planes=[{planes}]{' closed' if self.ep == NULL else ''}>"
+
+
+cdef class MemoryRegion:
+    """A registered buffer. Peers may WRITE into it (with its key, inside its bounds)
+    when registered with remote_write=True."""
+
+    cdef c.mrc_mr *mr
+    cdef object __weakref__
+    cdef Py_buffer view
+    cdef bint has_view
+    cdef readonly Endpoint endpoint
+    cdef readonly object obj
+    cdef readonly uint64_t size
+
+    def __cinit__(self):
+        self.mr = NULL
+        self.has_view = False
+
+    @staticmethod
+    cdef MemoryRegion _make(Endpoint ep, object obj, bint remote_write):
+        cdef MemoryRegion self = MemoryRegion.__new__(MemoryRegion)
+        cdef c.mrc_ep *e = ep._ptr()
+        try:
+            PyObject_GetBuffer(obj, &self.view, PyBUF_WRITABLE)
+        except BufferError:
+            raise errors.UsageError(
+                f"cannot register {type(obj).__name__}: it must be a writable, "
+                "contiguous buffer (bytearray, numpy array, writable memoryview)") from None
+        self.has_view = True
+        self.endpoint = ep
+        self.obj = obj
+        self.size = self.view.len
+        cdef int rc
+        cdef int access = c.MRC_ACCESS_REMOTE_WRITE if remote_write else 0
+        with nogil:
+            rc = c.mrc_mr_reg(e, self.view.buf, self.view.len, access, &self.mr)
+        if rc:
+            PyBuffer_Release(&self.view)
+            self.has_view = False
+            raise error_for(rc, f"Failed to register region of {self.size} bytes")
+        return self
+
+    cdef c.mrc_mr *_ptr(self) except NULL:
+        if self.mr == NULL:
+            raise errors.UsageError("memory region is closed")
+        return self.mr
+
+    @property
+    def key(self) -> int:
+        return c.mrc_mr_key(self._ptr())
+
+    def descriptor(self) -> RemoteRegion:
+        """What a peer needs to WRITE here."""
+        return RemoteRegion(self.key, self.size)
+
+    def close(self) -> None:
+        """Deregister: once this returns, no remote WRITE lands here any more."""
+        if self.mr != NULL:
+            with nogil:
+                c.mrc_mr_dereg(self.mr)
+            self.mr = NULL
+        if self.has_view:
+            PyBuffer_Release(&self.view)
+            self.has_view = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __dealloc__(self):
+        self.close()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __repr__(self) -> str:
+        key = f"{c.mrc_mr_key(self.mr):#x}" if self.mr != NULL else "closed"
+        return f"<mrc.MemoryRegion {self.size} bytes key={key}>"
+
+
+cdef class Connection:
+    """A reliable multipath connection. Operations return an Operation to wait on."""
+
+    cdef c.mrc_conn *conn
+    cdef object __weakref__
+    cdef readonly Endpoint endpoint
+
+    def __cinit__(self):
+        self.conn = NULL
+
+    @staticmethod
+    cdef Connection _wrap(Endpoint ep, c.mrc_conn *cp):
+        cdef Connection self = Connection.__new__(Connection)
+        self.conn = cp
+        self.endpoint = ep
+        ep._children.add(self)
+        return self
+
+    cdef c.mrc_conn *_ptr(self) except NULL:
+        if self.conn == NULL:
+            raise errors.ConnectionClosedError("connection is closed")
+        return self.conn
+
+    def _add_paths(self, paths) -> None:
+        cdef c.mrc_path_spec spec
+        for p in paths:
+            memset(&spec, 0, sizeof(spec))
+            spec.id = p.id
+            spec.plane = p.plane
+            _copy_str(spec.dst, str(p.dst_addr), c.MRC_ADDR_STRLEN, "path destination")
+            segs = list(p.segments or ())
+            if len(segs) > c.MRC_MAX_SEGS:
+                raise errors.UsageError(
+                    f"path {p.id}: {len(segs)} segments, at most {c.MRC_MAX_SEGS}")
+            spec.nsegs = len(segs)
+            for i, s in enumerate(segs):
+                _copy_str(spec.segs[i], str(s), c.MRC_ADDR_STRLEN, "segment")
+            check(c.mrc_conn_add_path(self._ptr(), &spec),
+                  lambda: f"Bad path {p.id} (plane {p.plane} -> {p.dst_addr} via {segs})")
+
+    cdef uint64_t _span(self, MemoryRegion mr, uint64_t offset, length, str what) except? 0:
+        if mr is None:
+            raise errors.UsageError(f"{what}: a MemoryRegion is required")
+        if mr.endpoint is not self.endpoint:
+            raise errors.UsageError(f"{what}: the region belongs to another endpoint")
+        cdef uint64_t n = mr.size - offset if length is None else length
+        if offset > mr.size or n > mr.size - offset:
+            raise errors.UsageError(
+                f"{what}: bytes [{offset}, {offset + n}) are outside the {mr.size}-byte region")
+        return n
+
+    def write(self, MemoryRegion local, remote, *, uint64_t offset=0, length=None,
+              uint64_t remote_offset=0, imm=None) -> Operation:
+        """RDMA WRITE local[offset:offset+length] to remote[remote_offset:...]. With
+        `imm`, the peer's wait_imm() returns it once every byte is in place."""
+        if not isinstance(remote, RemoteRegion):
+            raise errors.UsageError("write: remote must be a RemoteRegion (peer's descriptor())")
+        cdef uint64_t n = self._span(local, offset, length, "write")
+        if remote_offset > remote.size or n > remote.size - remote_offset:
+            raise errors.UsageError(
+                f"write: remote bytes [{remote_offset}, {remote_offset + n}) are outside the "
+                f"peer's {remote.size}-byte region")
+        cdef uint32_t iv = 0 if imm is None else imm
+        cdef int flags = 0 if imm is None else c.MRC_WRITE_IMM
+        cdef c.mrc_op *op = NULL
+        cdef uint64_t key = remote.key
+        check(c.mrc_post_write(self._ptr(), local._ptr(), offset, n, key, remote_offset, iv,
+                               flags, &op), lambda: f"Failed to post a {n}-byte write")
+        return Operation._wrap(self, op, local, n)
+
+    def send(self, MemoryRegion local, *, uint64_t offset=0, length=None,
+             uint64_t tag=0) -> Operation:
+        """Two-sided SEND of local[offset:offset+length], matched by tag at the peer."""
+        cdef uint64_t n = self._span(local, offset, length, "send")
+        cdef c.mrc_op *op = NULL
+        check(c.mrc_post_send(self._ptr(), local._ptr(), offset, n, tag, &op),
+              lambda: f"Failed to post a {n}-byte send")
+        return Operation._wrap(self, op, local, n)
+
+    def recv(self, MemoryRegion local, *, uint64_t offset=0, length=None,
+             tag=None) -> Operation:
+        """Post a receive buffer for the next SEND with `tag` (None: any tag)."""
+        cdef uint64_t n = self._span(local, offset, length, "recv")
+        cdef uint64_t t = c.MRC_TAG_ANY if tag is None else tag
+        cdef c.mrc_op *op = NULL
+        check(c.mrc_post_recv(self._ptr(), local._ptr(), offset, n, t, &op),
+              lambda: f"Failed to post a {n}-byte recv")
+        return Operation._wrap(self, op, local, n)
+
+    def wait_imm(self, timeout=None) -> tuple:
+        """The next WRITE-with-immediate that completed here: (imm, length)."""
+        cdef uint32_t imm = 0
+        cdef uint64_t n = 0
+        cdef int ms = _ms(timeout)
+        cdef c.mrc_conn *cp = self._ptr()
+        cdef int rc
+        with nogil:
+            rc = c.mrc_conn_wait_imm(cp, ms, &imm, &n)
+        if rc == -110:  # -ETIMEDOUT: nothing yet
+            raise errors.TimeoutError(f"no immediate arrived within {timeout} s")
+        check(rc, "Failed to wait for an immediate")
+        return imm, n
+
+    @property
+    def peer_name(self) -> str:
+        return c.mrc_conn_peer_name(self._ptr()).decode(errors="replace")
+
+    @property
+    def npaths(self) -> int:
+        return c.mrc_conn_npaths(self._ptr())
+
+    @property
+    def peer_planes(self) -> list:
+        cdef char buf[64]
+        out = []
+        i = 0
+        while c.mrc_conn_peer_plane(self._ptr(), i, buf, sizeof(buf)) == 0:
+            out.append(buf.decode())
+            i += 1
+        return out
+
+    @property
+    def error(self):
+        """None while usable, else the exception that ended the connection."""
+        if self.conn == NULL:
+            return errors.ConnectionClosedError("connection is closed")
+        rc = c.mrc_conn_error(self.conn)
+        return None if rc == 0 else error_for(rc, "connection failed")
+
+    def close(self) -> None:
+        """Close; pending operations fail with ConnectionClosedError."""
+        if self.conn != NULL:
+            with nogil:
+                c.mrc_conn_destroy(self.conn)
+            self.conn = NULL
+
+    @property
+    def closed(self) -> bool:
+        return self.conn == NULL
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __dealloc__(self):
+        if self.conn != NULL:
+            c.mrc_conn_destroy(self.conn)
+            self.conn = NULL
+
+
+cdef class Operation:
+    """A posted WRITE, SEND or RECV. Completes exactly once, with a status."""
+
+    cdef c.mrc_op *op
+    cdef readonly Connection connection
+    cdef readonly MemoryRegion region  # kept alive while the op may touch it
+    cdef readonly uint64_t length
+    cdef object _exc
+
+    @staticmethod
+    cdef Operation _wrap(Connection conn, c.mrc_op *op, MemoryRegion mr, uint64_t n):
+        cdef Operation self = Operation.__new__(Operation)
+        self.op = op
+        self.connection = conn
+        self.region = mr
+        self.length = n
+        return self
+
+    cdef c.mrc_op_result _result(self):
+        cdef c.mrc_op_result r
+        c.mrc_op_get_result(self.op, &r)
+        return r
+
+    def wait(self, timeout=None):
+        """Wait for completion (None: forever). Raises the operation's error, or
+        mrc.TimeoutError if it is still pending after `timeout` seconds."""
+        cdef int ms = _ms(timeout)
+        cdef int rc
+        with nogil:
+            rc = c.mrc_op_wait(self.op, ms)
+        if rc:
+            raise errors.TimeoutError(
+                f"{self.kind} of {self.length} bytes still pending after {timeout} s")
+        r = self._result()
+        if r.status:
+            raise error_for(r.status, f"{self.kind} of {self.length} bytes failed")
+        return self
+
+    @property
+    def done(self) -> bool:
+        return c.mrc_op_done(self.op) != 0
+
+    @property
+    def kind(self) -> str:
+        return _OP_KINDS.get(self._result().kind, "?")
+
+    @property
+    def status(self) -> int:
+        """0 on success, a negative code on failure, -EINPROGRESS while pending."""
+        return self._result().status
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes transferred (recv: the message's length)."""
+        return self._result().bytes
+
+    @property
+    def tag(self) -> int:
+        """recv: the tag of the message it matched."""
+        return self._result().tag
+
+    def __dealloc__(self):
+        if self.op != NULL:
+            c.mrc_op_release(self.op)
+            self.op = NULL
+
+    def __repr__(self) -> str:
+        state = "done" if self.done else "pending"
+        return f"<mrc.Operation {self.kind} {self.length} bytes {state}>"

@@ -1,0 +1,118 @@
+# Mirrors src_c/include/mrc.h. C names appear nowhere else in the package.
+from libc.stdint cimport uint16_t, uint32_t, uint64_t
+
+
+cdef extern from "mrc.h" nogil:
+    enum:
+        MRC_MAX_PLANES
+        MRC_MAX_PATHS
+        MRC_MAX_SEGS
+        MRC_ADDR_STRLEN
+        MRC_ACCESS_REMOTE_WRITE
+        MRC_WRITE_IMM
+        MRC_DROP_MAX
+        MRC_EKEY
+        MRC_EBOUNDS
+        MRC_ETIMEOUT
+        MRC_EPATHDOWN
+        MRC_ECLOSED
+        MRC_EPROTO
+        MRC_ETRUNC
+        MRC_EUNREACH
+        MRC_EUSAGE
+        MRC_EREMOTE
+        MRC_ENOBUFS
+        MRC_OP_WRITE
+        MRC_OP_SEND
+        MRC_OP_RECV
+    uint64_t MRC_TAG_ANY
+
+    ctypedef struct mrc_ep:
+        pass
+    ctypedef struct mrc_conn:
+        pass
+    ctypedef struct mrc_mr:
+        pass
+    ctypedef struct mrc_op:
+        pass
+
+    const char *mrc_strerror(int rc)
+    const char *mrc_drop_str(int reason)
+    const char *mrc_path_state_str(int state)
+
+    struct mrc_ep_config:
+        int nplanes
+        char planes[16][64]
+        uint16_t udp_port
+        uint32_t mss
+        uint32_t timeout_ms
+        uint32_t sockbuf
+        uint32_t window
+
+    void mrc_ep_config_init(mrc_ep_config *cfg)
+    int mrc_ep_create(const mrc_ep_config *cfg, mrc_ep **out)
+    void mrc_ep_destroy(mrc_ep *ep)
+    int mrc_ep_nplanes(const mrc_ep *ep)
+    int mrc_ep_plane(const mrc_ep *ep, int plane, char *addr, size_t addrlen, uint16_t *port)
+    int mrc_ep_inject(mrc_ep *ep, int plane, double tx_loss, int down)
+
+    struct mrc_path_spec:
+        int id
+        int plane
+        char dst[64]
+        int nsegs
+        char segs[8][64]
+
+    int mrc_ep_listen(mrc_ep *ep, const char *addr, uint16_t port, uint16_t *bound_port)
+    int mrc_conn_create(mrc_ep *ep, const char *name, mrc_conn **out)
+    int mrc_conn_add_path(mrc_conn *c, const mrc_path_spec *p)
+    int mrc_conn_connect(mrc_conn *c, const char *addr, uint16_t port, int timeout_ms)
+    int mrc_ep_accept(mrc_ep *ep, int timeout_ms, mrc_conn **out)
+    int mrc_conn_establish(mrc_conn *c, int timeout_ms)
+    const char *mrc_conn_peer_name(const mrc_conn *c)
+    int mrc_conn_peer_plane(const mrc_conn *c, int plane, char *addr, size_t addrlen)
+    int mrc_conn_npaths(const mrc_conn *c)
+    void mrc_conn_destroy(mrc_conn *c)
+    int mrc_conn_error(const mrc_conn *c)
+
+    int mrc_mr_reg(mrc_ep *ep, void *addr, size_t len, int access, mrc_mr **out)
+    uint64_t mrc_mr_key(const mrc_mr *mr)
+    void mrc_mr_dereg(mrc_mr *mr)
+
+    int mrc_post_write(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t rkey,
+                       uint64_t roff, uint32_t imm, int flags, mrc_op **out)
+    int mrc_post_send(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t tag,
+                      mrc_op **out)
+    int mrc_post_recv(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t tag,
+                      mrc_op **out)
+    int mrc_op_wait(mrc_op *op, int timeout_ms)
+    int mrc_op_done(mrc_op *op)
+    struct mrc_op_result:
+        int status
+        int kind
+        uint64_t bytes
+        uint64_t tag
+    void mrc_op_get_result(mrc_op *op, mrc_op_result *res)
+    void mrc_op_release(mrc_op *op)
+    int mrc_conn_wait_imm(mrc_conn *c, int timeout_ms, uint32_t *imm, uint64_t *len)
+
+    struct mrc_path_stats:
+        int conn_index
+        uint32_t conn_id
+        int id, plane, state
+        char dst[64]
+        int nsegs
+        uint64_t tx_pkts, tx_bytes, rx_pkts, rx_bytes
+        uint64_t retx, lost, injected, probes
+        uint64_t srtt_ns, base_rtt_ns, cwnd_bytes, inflight_bytes
+        uint64_t state_changes
+
+    struct mrc_ep_stats:
+        uint64_t drops[32]
+        uint64_t tx_pkts, rx_pkts, tx_bytes, rx_bytes, retx, acks_tx, acks_rx
+        uint64_t lost_rack, lost_rto, lost_flush, probe_timeouts
+        uint64_t loop_iters
+        int nconns
+        int npaths
+
+    int mrc_ep_get_stats(mrc_ep *ep, mrc_ep_stats *st, mrc_path_stats *paths, int max_paths)

@@ -1,0 +1,1 @@
+"""mrc-perf: perftest-style bandwidth and latency tool."""
