@@ -1,0 +1,389 @@
+"""Transport core over loopback planes: byte-exact transfers with and without loss,
+remote access checks, garbage input, peer failure, errors."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import mrc
+from helpers import connected_pair, pattern, sha
+
+SIZES = [1, 4096, 1 << 20, 1000003]
+LOSS = {
+    "none": [],
+    "5pct-one-plane": [(1, 0.05)],
+    "1pct-all": [(i, 0.01) for i in range(4)],
+}
+IN_FLIGHT = 64
+
+
+def inject(pair, loss: list[tuple[int, float]]) -> None:
+    nplanes = len(pair.a.planes)
+    for plane, p in loss:
+        if plane < nplanes:
+            pair.a.inject(plane, loss=p)
+            pair.b.inject(plane, loss=p)
+
+
+@pytest.mark.parametrize("loss", list(LOSS))
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s}B")
+@pytest.mark.parametrize("nplanes", [1, 4])
+@pytest.mark.parametrize("kind", ["write", "send"])
+def test_transfer_exact(kind: str, nplanes: int, size: int, loss: str) -> None:
+    """64 operations in flight, every byte checked by hash at both ends."""
+    with connected_pair(nplanes) as p:
+        inject(p, LOSS[loss])
+        src = pattern(size * IN_FLIGHT, seed=size + nplanes)
+        dst = np.zeros(size * IN_FLIGHT, np.uint8)
+        ms, md = p.a.register(src), p.b.register(dst)
+        if kind == "write":
+            ops = [
+                p.ca.write(ms, md.descriptor(), offset=i * size, length=size,
+                           remote_offset=i * size)
+                for i in range(IN_FLIGHT)
+            ]
+        else:
+            # Same tag for all: RECVs must match SENDs in order.
+            recvs = [p.cb.recv(md, offset=i * size, length=size, tag=7) for i in range(IN_FLIGHT)]
+            ops = [p.ca.send(ms, offset=i * size, length=size, tag=7) for i in range(IN_FLIGHT)]
+        for op in ops:
+            op.wait(timeout=60)
+        if kind == "send":
+            for r in recvs:
+                assert r.wait(timeout=60).nbytes == size and r.tag == 7
+        assert sha(dst) == sha(src)
+        st = p.a.stats()
+        # Injected loss did happen where enough packets crossed a lossy plane
+        # (>= 20 expected drops: zero would be a 2e-9 event).
+        expected = sum(st["paths"][pl]["tx_pkts"] * pr for pl, pr in LOSS[loss] if pl < nplanes)
+        if expected >= 20:
+            assert st["drops"]["injected"] > 0 and st["retx"] > 0
+        used = [q for q in st["paths"] if q["tx_pkts"] > 0]
+        assert len(used) == nplanes  # sprayed over every plane
+
+
+@pytest.mark.parametrize("loss", ["none", "1pct-all"])
+@pytest.mark.parametrize("kind", ["write", "send"])
+def test_256mib(kind: str, loss: str) -> None:
+    size = 256 << 20
+    with connected_pair(4) as p:
+        inject(p, LOSS[loss])
+        src = pattern(size, seed=256)
+        dst = np.zeros(size, np.uint8)
+        ms, md = p.a.register(src), p.b.register(dst)
+        if kind == "write":
+            p.ca.write(ms, md.descriptor()).wait(timeout=120)
+        else:
+            r = p.cb.recv(md)
+            p.ca.send(ms).wait(timeout=120)
+            assert r.wait(timeout=120).nbytes == size
+        assert sha(dst) == sha(src)
+
+
+def test_unexpected_send_then_recv() -> None:
+    """A SEND that arrives before its RECV is held, then matched by tag in order."""
+    with connected_pair(4) as p:
+        src = pattern(3 * 100_000, seed=1)
+        ms = p.a.register(src)
+        for i, tag in enumerate([1, 2, 1]):
+            p.ca.send(ms, offset=i * 100_000, length=100_000, tag=tag).wait(timeout=10)
+        dst = np.zeros(3 * 100_000, np.uint8)
+        md = p.b.register(dst)
+        r2 = p.cb.recv(md, offset=100_000, length=100_000, tag=2).wait(timeout=10)
+        r0 = p.cb.recv(md, offset=0, length=100_000, tag=1).wait(timeout=10)
+        r1 = p.cb.recv(md, offset=200_000, length=100_000, tag=1).wait(timeout=10)
+        assert (r0.tag, r1.tag, r2.tag) == (1, 1, 2)
+        assert sha(dst) == sha(src)
+
+
+def test_recv_too_small_is_truncated() -> None:
+    with connected_pair(2) as p:
+        src, dst = pattern(5000, 3), np.zeros(4000, np.uint8)
+        ms, md = p.a.register(src), p.b.register(dst)
+        r = p.cb.recv(md)
+        p.ca.send(ms).wait(timeout=10)
+        with pytest.raises(mrc.TruncatedError, match="5000|recv"):
+            r.wait(timeout=10)
+        assert r.nbytes == 5000
+
+
+def test_write_with_immediate() -> None:
+    with connected_pair(4) as p:
+        src, dst = pattern(3 << 20, 4), np.zeros(3 << 20, np.uint8)
+        ms, md = p.a.register(src), p.b.register(dst)
+        p.ca.write(ms, md.descriptor(), imm=0xC0FFEE)
+        imm, n = p.cb.wait_imm(timeout=10)
+        # The immediate is delivered only once every byte is in place.
+        assert (imm, n) == (0xC0FFEE, 3 << 20)
+        assert sha(dst) == sha(src)
+        with pytest.raises(mrc.TimeoutError):
+            p.cb.wait_imm(timeout=0.05)
+
+
+def guarded(size: int, guard: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """A buffer with guard bytes on both sides; returns (whole, inner view)."""
+    whole = np.full(size + 2 * guard, 0xA5, np.uint8)
+    return whole, whole[guard : guard + size]
+
+
+@pytest.mark.parametrize("fault", ["wrong-key", "past-end", "offset-overflow"])
+def test_remote_access_is_checked(fault: str) -> None:
+    with connected_pair(4) as p:
+        whole, inner = guarded(1 << 16)
+        before = whole.copy()
+        md = p.b.register(inner)
+        src = pattern(1 << 16, 5)
+        ms = p.a.register(src)
+        d = md.descriptor()
+        if fault == "wrong-key":
+            remote, off = mrc.RemoteRegion(d.key ^ (1 << 33), d.size), 0
+        elif fault == "past-end":  # a forged, larger descriptor
+            remote, off = mrc.RemoteRegion(d.key, d.size * 4), d.size - 100
+        else:
+            remote, off = mrc.RemoteRegion(d.key, 2**64 - 1), 2**64 - 1001
+        with pytest.raises(mrc.KeyRejectedError, match="rejected|bounds"):
+            p.ca.write(ms, remote, remote_offset=off, length=1000).wait(timeout=10)
+        assert np.array_equal(whole, before)  # nothing changed, inside or around
+        reason = "bad_key" if fault == "wrong-key" else "bad_bounds"
+        assert p.b.stats()["drops"][reason] >= 1
+        # RDMA semantics: a remote access error puts the connection in error.
+        assert isinstance(p.ca.error, mrc.ConnectionClosedError)
+        with pytest.raises(mrc.ConnectionClosedError):
+            p.ca.write(ms, d).wait(timeout=5)
+
+
+def test_region_without_remote_write_is_refused() -> None:
+    with connected_pair(1) as p:
+        dst = np.zeros(4096, np.uint8)
+        md = p.b.register(dst, remote_write=False)
+        ms = p.a.register(pattern(4096, 6))
+        with pytest.raises(mrc.KeyRejectedError):
+            p.ca.write(ms, md.descriptor()).wait(timeout=10)
+        assert not dst.any()
+
+
+def garbage_datagrams(conn_ids: list[int], n: int) -> list[bytes]:
+    """Random bytes, truncated mrc headers, valid headers for unknown connections."""
+    rnd = random.Random(42)
+    out = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            out.append(rnd.randbytes(rnd.randrange(0, 200)))
+        elif kind == 1:  # a plausible header, cut short
+            hdr = struct.pack("<HBBBBHIIQ", 0x4D52, 1, 1, 0, 0, 100, rnd.choice(conn_ids),
+                              rnd.getrandbits(32), 0)
+            out.append(hdr[: rnd.randrange(1, len(hdr))])
+        elif kind == 2:  # unknown connection id, well-formed ACK
+            hdr = struct.pack("<HBBBBHIIQ", 0x4D52, 1, 3, 0, 0, 0, rnd.getrandbits(32) | 1, 0, 0)
+            out.append(hdr + bytes(72))
+        else:  # bad version / type
+            out.append(struct.pack("<HBB", 0x4D52, rnd.choice([0, 2, 9]), rnd.randrange(256))
+                       + rnd.randbytes(40))
+    return out
+
+
+def test_garbage_is_dropped_and_counted_during_transfer() -> None:
+    with connected_pair(4) as p:
+        size = 64 << 20
+        src, dst = pattern(size, 7), np.zeros(size, np.uint8)
+        ms, md = p.a.register(src), p.b.register(dst)
+        junk = garbage_datagrams([12345], 2000)
+        sent = threading.Event()
+
+        def spray() -> None:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                for i, dgram in enumerate(junk):
+                    addr, port = p.b.planes[i % 4]
+                    s.sendto(dgram, (addr, port))
+            sent.set()
+
+        op = p.ca.write(ms, md.descriptor())
+        t = threading.Thread(target=spray)
+        t.start()
+        op.wait(timeout=60)
+        t.join()
+        assert sent.is_set()
+        assert sha(dst) == sha(src)
+        # Every junk datagram is accounted for by some drop reason (poll: the last
+        # ones may still be in the socket queue when the write completes).
+        deadline = time.monotonic() + 10
+        while True:
+            drops = p.b.stats()["drops"]
+            counted = sum(v for k, v in drops.items() if k not in ("injected", "duplicate"))
+            if counted >= len(junk) or time.monotonic() > deadline:
+                break
+        assert counted == len(junk), drops
+        assert drops["truncated"] > 0 and drops["unknown_conn"] > 0
+        assert drops["bad_version"] + drops["bad_type"] > 0
+
+
+PEER = textwrap.dedent(
+    """
+    import sys, mrc, numpy as np
+    ep = mrc.Endpoint(["127.0.1.1", "127.0.1.2"], timeout=1.0)
+    print(ep.listen(), flush=True)
+    conn = ep.accept(timeout=10)
+    buf = np.zeros(256 << 20, np.uint8)
+    mr = ep.register(buf)
+    desc = np.frombuffer(mr.descriptor().pack(), np.uint8).copy()
+    conn.send(ep.register(desc)).wait(10)
+    sys.stdin.read()  # until killed
+    """
+)
+
+
+def test_peer_killed_mid_transfer_fails_cleanly() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", PEER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        with mrc.Endpoint(["127.0.0.1", "127.0.0.2"], timeout=1.0) as ep:
+            conn = ep.connect("127.0.1.1", port, timeout=10)
+            d = np.zeros(16, np.uint8)
+            conn.recv(ep.register(d)).wait(timeout=10)
+            remote = mrc.RemoteRegion.unpack(d.tobytes())
+            src = pattern(remote.size, 8)
+            ms = ep.register(src)
+            ops = [conn.write(ms, remote) for _ in range(8)]
+            ops[0].wait(timeout=30)  # the peer is alive and taking data
+            proc.kill()
+            proc.wait()
+            killed = time.monotonic()
+            errors = []
+            for op in ops[1:]:
+                try:
+                    op.wait(timeout=10)
+                except (mrc.PathDownError, mrc.TimeoutError, mrc.ConnectionClosedError) as e:
+                    errors.append(e)
+            elapsed = time.monotonic() - killed
+            assert errors, "writes to a dead peer must fail"
+            assert elapsed < 1.0 + 2.0  # the configured timeout plus detection slack
+            assert "path" in str(errors[-1]) or "progress" in str(errors[-1])
+            assert conn.error is not None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_close_fails_pending_operations() -> None:
+    with connected_pair(2) as p:
+        dst = np.zeros(1024, np.uint8)
+        r = p.cb.recv(p.b.register(dst))
+        p.ca.close()
+        # The peer learns of the close and fails its pending RECV.
+        with pytest.raises(mrc.ConnectionClosedError):
+            r.wait(timeout=10)
+        with pytest.raises(mrc.ConnectionClosedError):
+            p.ca.send(p.a.register(np.zeros(1, np.uint8)))
+
+
+def test_connect_to_nobody_is_unreachable() -> None:
+    with mrc.Endpoint("127.0.0.1") as ep:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()  # nobody listens there now
+        with pytest.raises(mrc.UnreachableError, match=f"127.0.0.1 port {port}"):
+            ep.connect("127.0.0.1", port, timeout=2)
+
+
+def test_accept_times_out() -> None:
+    with mrc.Endpoint("127.0.0.1") as ep:
+        ep.listen()
+        t0 = time.monotonic()
+        with pytest.raises(mrc.TimeoutError, match="no peer connected"):
+            ep.accept(timeout=0.2)
+        assert time.monotonic() - t0 < 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"planes": ["not-an-address"]}, "not-an-address"),
+        ({"planes": []}, "1 to 16 planes"),
+        ({"planes": ["127.0.0.1"], "mss": 10}, "mss"),
+        ({"planes": ["127.0.0.1"], "window": 1000}, "window"),
+        ({"planes": ["127.0.0.1"], "timeout": 0}, "timeout"),
+    ],
+)
+def test_bad_endpoint_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(mrc.UsageError, match=match):
+        mrc.Endpoint(**kwargs)
+
+
+def test_bad_operation_arguments() -> None:
+    with connected_pair(1) as p:
+        ms = p.a.register(np.zeros(100, np.uint8))
+        remote = mrc.RemoteRegion(1, 50)
+        with pytest.raises(mrc.UsageError, match="outside the 100-byte region"):
+            p.ca.send(ms, offset=50, length=51)
+        with pytest.raises(mrc.UsageError, match="peer's 50-byte region"):
+            p.ca.write(ms, remote)
+        with pytest.raises(mrc.UsageError, match="writable"):
+            p.a.register(b"read-only bytes")
+        with pytest.raises(mrc.UsageError, match="16 bytes"):
+            mrc.RemoteRegion.unpack(b"short")
+
+
+def test_loss_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MRC_LOSS", "0:0.05")
+    with connected_pair(2) as p:
+        src, dst = pattern(8 << 20, 9), np.zeros(8 << 20, np.uint8)
+        md = p.b.register(dst)  # a region must outlive the writes into it
+        p.ca.write(p.a.register(src), md.descriptor()).wait(timeout=30)
+        assert sha(dst) == sha(src)
+        paths = p.a.stats()["paths"]
+        assert paths[0]["injected"] > 0 and paths[1]["injected"] == 0
+    monkeypatch.setenv("MRC_LOSS", "banana")
+    with pytest.raises(mrc.UsageError):
+        mrc.Endpoint("127.0.0.1")
+
+
+def test_failed_plane_is_detected_and_avoided() -> None:
+    with connected_pair(4, timeout=5.0) as p:
+        p.a.inject(2, down=True)
+        p.b.inject(2, down=True)
+        src, dst = pattern(32 << 20, 10), np.zeros(32 << 20, np.uint8)
+        ms, md = p.a.register(src), p.b.register(dst)
+        p.ca.write(ms, md.descriptor()).wait(timeout=30)
+        assert sha(dst) == sha(src)
+        path = p.a.stats()["paths"][2]
+        assert path["state"] in ("failed", "suspect")
+        # Heal: probes bring the path back, and it carries traffic again.
+        p.a.inject(2, down=False)
+        p.b.inject(2, down=False)
+        deadline = time.monotonic() + 5
+        while p.a.stats()["paths"][2]["state"] != "good" and time.monotonic() < deadline:
+            p.ca.write(ms, md.descriptor()).wait(timeout=30)
+        assert p.a.stats()["paths"][2]["state"] == "good"
+        before = p.a.stats()["paths"][2]["tx_pkts"]
+        p.ca.write(ms, md.descriptor()).wait(timeout=30)
+        assert p.a.stats()["paths"][2]["tx_pkts"] > before
+
+
+def test_repr_and_context_managers() -> None:
+    with mrc.Endpoint(["127.0.0.1", "127.0.0.2"]) as ep:
+        assert "127.0.0.2" in repr(ep)
+        with ep.register(bytearray(10)) as mr:
+            assert len(mr) == 10 and "10 bytes" in repr(mr)
+        assert "closed" in repr(mr)
+    assert ep.closed
+    ep.close()  # idempotent
+
+
+def test_env_var_is_documented() -> None:
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    assert "MRC_LOSS" in readme
