@@ -269,6 +269,20 @@ cdef class Endpoint:
         finally:
             free(ps)
 
+    def _rx_inject(self, int plane, const unsigned char[::1] pkt, str src_addr,
+                   int src_port) -> None:
+        """Testing hook: run one datagram through the receive path, as if it came
+        from src_addr:src_port on `plane`; returns once it has been handled."""
+        b = src_addr.encode()
+        cdef const char *a = b
+        cdef int rc
+        cdef c.mrc_ep *ep = self._ptr()
+        cdef size_t n = pkt.shape[0]
+        cdef const unsigned char *p = &pkt[0] if n else NULL
+        with nogil:
+            rc = c.mrc_ep_rx_inject(ep, plane, p, n, a, <uint16_t>src_port)
+        check(rc, "rx_inject")
+
     def close(self) -> None:
         """Close every connection and region, then stop the progress thread."""
         if self.ep == NULL:
@@ -481,6 +495,13 @@ cdef class Connection:
             raise errors.TimeoutError(f"no immediate arrived within {timeout} s")
         check(rc, "Failed to wait for an immediate")
         return imm, n
+
+    @property
+    def ids(self) -> tuple:
+        """(this side's connection id, the peer's): the `conn` field of packets
+        arriving here, and of packets sent from here."""
+        cdef c.mrc_conn *cp = self._ptr()
+        return c.mrc_conn_id(cp), c.mrc_conn_peer_id(cp)
 
     @property
     def peer_name(self) -> str:

@@ -116,3 +116,10 @@ cdef extern from "mrc.h" nogil:
         int npaths
 
     int mrc_ep_get_stats(mrc_ep *ep, mrc_ep_stats *st, mrc_path_stats *paths, int max_paths)
+
+
+cdef extern from "mrc_testing.h" nogil:
+    int mrc_ep_rx_inject(mrc_ep *ep, int plane, const void *pkt, size_t len,
+                         const char *src_addr, uint16_t src_port)
+    uint32_t mrc_conn_id(const mrc_conn *c)
+    uint32_t mrc_conn_peer_id(const mrc_conn *c)

@@ -168,6 +168,9 @@ void ep_ctl_run_pt(mrc_ep *ep, struct ctl *x)
     case CTL_STATS:
         stats_pt(ep, x);
         break;
+    case CTL_RX_INJECT:
+        testing_rx_inject_pt(ep, x->arg);
+        break;
     case CTL_INJECT:
         ep->planes[x->iarg].tx_loss = *(double *)x->arg;
         ep->planes[x->iarg].down = *(int *)x->arg2 != 0;

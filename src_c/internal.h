@@ -217,7 +217,7 @@ struct msock {
 };
 
 enum ctl_type { CTL_CONN_ADD = 1, CTL_CONN_DEL, CTL_MR_ADD, CTL_MR_DEL, CTL_STATS, CTL_INJECT,
-                CTL_PATH_SOCK };
+                CTL_RX_INJECT };
 
 struct ctl {
     int type;
@@ -324,6 +324,9 @@ void path_timers_pt(mrc_conn *c, uint64_t now, bool busy);
 uint64_t path_rto(const struct path *p);
 int path_send_ctrl_pt(mrc_conn *c, struct path *p, int type, uint32_t psn, uint64_t ts);
 void path_init(struct path *p, uint32_t mss);
+
+/* testing.c */
+void testing_rx_inject_pt(mrc_ep *ep, void *arg);
 
 /* engine.c */
 void *engine_main(void *arg);

@@ -1,0 +1,32 @@
+/*
+ * mrc_testing.h - hooks for fuzzers and hostile-input tests. Not for
+ * applications: they bypass the sockets, not the checks.
+ */
+#ifndef MRC_TESTING_H
+#define MRC_TESTING_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "mrc.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Runs one datagram through the endpoint's receive path on its progress
+ * thread, as if it had arrived on `plane` from src_addr:src_port, and waits
+ * until it has been handled. Everything the packet causes (placement, ACKs,
+ * drops) happens exactly as for a packet from the wire. */
+int mrc_ep_rx_inject(mrc_ep *ep, int plane, const void *pkt, size_t len, const char *src_addr,
+                     uint16_t src_port);
+
+/* This endpoint's id for the connection (what a peer puts in `conn`). */
+uint32_t mrc_conn_id(const mrc_conn *c);
+/* The peer's id for it (what we put in `conn`). */
+uint32_t mrc_conn_peer_id(const mrc_conn *c);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
