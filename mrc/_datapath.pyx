@@ -261,6 +261,7 @@ cdef class Endpoint:
                 "rx_bytes": st.rx_bytes, "retx": st.retx, "acks_tx": st.acks_tx,
                 "acks_rx": st.acks_rx, "lost_rack": st.lost_rack, "lost_rto": st.lost_rto,
                 "lost_flush": st.lost_flush, "probe_timeouts": st.probe_timeouts,
+                "link_events": st.link_events,
                 "loop_iters": st.loop_iters, "conns": st.nconns,
                 "drops": {c.mrc_drop_str(i).decode(): st.drops[i]
                           for i in range(1, c.MRC_DROP_MAX)},

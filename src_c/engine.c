@@ -286,6 +286,7 @@ void *engine_main(void *arg)
         }
         uint64_t now = now_ns();
         if (now >= ep->next_timer_ns) {
+            link_poll_pt(ep);
             engine_timers(ep, now);
             ep->next_timer_ns = now + MRC_TIMER_NS;
         }

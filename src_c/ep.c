@@ -153,7 +153,7 @@ int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out)
     if (!ep->cfg.window)
         ep->cfg.window = 4096;
     ep->nplanes = cfg->nplanes;
-    ep->epfd = ep->evfd = ep->listen_fd = -1;
+    ep->epfd = ep->evfd = ep->listen_fd = ep->nl_fd = -1;
     ep->rng = rand_u64() | 1;
     for (uint32_t i = 1; i < MRC_SLOTS; i++) { /* slot 0 unused: ids are never 0 */
         ep->conn_free[ep->nconn_free++] = MRC_SLOTS - i;
@@ -188,6 +188,7 @@ int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out)
     rc = ep_env_loss(ep);
     if (rc)
         goto err_socks;
+    link_open(ep);
     rc = -pthread_create(&ep->thread, NULL, engine_main, ep);
     if (rc)
         goto err_socks;
@@ -199,6 +200,8 @@ err_socks:
         close(ep->socks[i]->fd);
         free(ep->socks[i]);
     }
+    if (ep->nl_fd >= 0)
+        close(ep->nl_fd);
 err_free:
     if (ep->epfd >= 0)
         close(ep->epfd);
@@ -228,6 +231,8 @@ void mrc_ep_destroy(mrc_ep *ep)
     }
     if (ep->listen_fd >= 0)
         close(ep->listen_fd);
+    if (ep->nl_fd >= 0)
+        close(ep->nl_fd);
     close(ep->epfd);
     close(ep->evfd);
     free(ep->rxbuf);

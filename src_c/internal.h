@@ -235,7 +235,9 @@ struct plane {
     socklen_t addrlen;
     uint16_t port;
     double tx_loss;
-    bool down;
+    bool down;       /* fault injection */
+    bool link_down;  /* netlink: the interface lost its carrier */
+    int ifindex;     /* interface holding the address, 0 if unknown */
 };
 
 struct mrc_ep {
@@ -243,7 +245,7 @@ struct mrc_ep {
     struct mrc_ep_config cfg;
     int nplanes;
     struct plane planes[MRC_MAX_PLANES];
-    int epfd, evfd;
+    int epfd, evfd, nl_fd;
     pthread_t thread;
 
     /* [lock] */
@@ -327,6 +329,10 @@ void path_init(struct path *p, uint32_t mss);
 
 /* testing.c */
 void testing_rx_inject_pt(mrc_ep *ep, void *arg);
+
+/* link.c */
+int link_open(mrc_ep *ep);
+void link_poll_pt(mrc_ep *ep);
 
 /* engine.c */
 void *engine_main(void *arg);

@@ -210,6 +210,7 @@ struct mrc_ep_stats {
     uint64_t lost_rto;       /* declared lost: retransmission timeout */
     uint64_t lost_flush;     /* declared lost: its path failed or timed out */
     uint64_t probe_timeouts;
+    uint64_t link_events;    /* local interface carrier changes seen */
     uint64_t loop_iters;
     int nconns;
     int npaths;     /* entries filled in paths[] */
