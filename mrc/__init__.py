@@ -1,9 +1,9 @@
 """mrc: a multipath, RDMA-style reliable transport with SRv6 source routing.
 
-    ep = mrc.Endpoint(["127.0.0.1", "127.0.0.2"])
-    conn = ep.connect("127.0.0.3", port)
-    mr = ep.register(numpy_array)
-    conn.write(mr, remote_descriptor).wait()
+ep = mrc.Endpoint(["127.0.0.1", "127.0.0.2"])
+conn = ep.connect("127.0.0.3", port)
+mr = ep.register(numpy_array)
+conn.write(mr, remote_descriptor).wait()
 """
 
 from __future__ import annotations

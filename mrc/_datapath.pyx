@@ -270,6 +270,15 @@ cdef class Endpoint:
         finally:
             free(ps)
 
+    def serve_stats(self, str path):
+        """Expose this endpoint's stats on a Unix socket at `path` (for
+        `mrc-route live`). Returns the server; it stops when closed or when the
+        endpoint closes."""
+        from mrc.telemetry import StatsServer
+        srv = StatsServer(self, path)
+        self._children.add(srv)
+        return srv
+
     def _rx_inject(self, int plane, const unsigned char[::1] pkt, str src_addr,
                    int src_port) -> None:
         """Testing hook: run one datagram through the receive path, as if it came

@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 import pytest
+from helpers import connected_pair, pattern, sha
 
 import mrc
-from helpers import connected_pair, pattern, sha
 
 SIZES = [1, 4096, 1 << 20, 1000003]
 LOSS = {
@@ -49,8 +49,9 @@ def test_transfer_exact(kind: str, nplanes: int, size: int, loss: str) -> None:
         ms, md = p.a.register(src), p.b.register(dst)
         if kind == "write":
             ops = [
-                p.ca.write(ms, md.descriptor(), offset=i * size, length=size,
-                           remote_offset=i * size)
+                p.ca.write(
+                    ms, md.descriptor(), offset=i * size, length=size, remote_offset=i * size
+                )
                 for i in range(IN_FLIGHT)
             ]
         else:
@@ -182,15 +183,18 @@ def garbage_datagrams(conn_ids: list[int], n: int) -> list[bytes]:
         if kind == 0:
             out.append(rnd.randbytes(rnd.randrange(0, 200)))
         elif kind == 1:  # a plausible header, cut short
-            hdr = struct.pack("<HBBBBHIIQ", 0x4D52, 1, 1, 0, 0, 100, rnd.choice(conn_ids),
-                              rnd.getrandbits(32), 0)
+            hdr = struct.pack(
+                "<HBBBBHIIQ", 0x4D52, 1, 1, 0, 0, 100, rnd.choice(conn_ids), rnd.getrandbits(32), 0
+            )
             out.append(hdr[: rnd.randrange(1, len(hdr))])
         elif kind == 2:  # unknown connection id, well-formed ACK
             hdr = struct.pack("<HBBBBHIIQ", 0x4D52, 1, 3, 0, 0, 0, rnd.getrandbits(32) | 1, 0, 0)
             out.append(hdr + bytes(72))
         else:  # bad version / type
-            out.append(struct.pack("<HBB", 0x4D52, rnd.choice([0, 2, 9]), rnd.randrange(256))
-                       + rnd.randbytes(40))
+            out.append(
+                struct.pack("<HBB", 0x4D52, rnd.choice([0, 2, 9]), rnd.randrange(256))
+                + rnd.randbytes(40)
+            )
     return out
 
 
@@ -245,8 +249,9 @@ PEER = textwrap.dedent(
 
 
 def test_peer_killed_mid_transfer_fails_cleanly() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", PEER], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None
         port = int(proc.stdout.readline())
