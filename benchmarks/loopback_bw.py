@@ -183,7 +183,7 @@ def plot(rows: list[dict]) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar(x - 0.2, [r["mrc_gbps"] for r in rows], 0.4, label="mrc WRITE")
     ax.bar(x + 0.2, [r["iperf3_udp_gbps"] for r in rows], 0.4, label="iperf3 -u (received)")
-    for xi, r in zip(x, rows):
+    for xi, r in zip(x, rows, strict=False):
         ax.text(
             xi, max(r["mrc_gbps"], r["iperf3_udp_gbps"]) * 1.02, f"{r['ratio']:.2f}x", ha="center"
         )

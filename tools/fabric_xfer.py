@@ -1,0 +1,185 @@
+"""A verified bulk transfer between two hosts of a fabric, one process per host.
+
+Run in each host's namespace (tests, benchmarks and the demo drive it):
+
+    fabric_xfer.py server --fabric F --host h1 [--port P] --size N --mode write|send
+    fabric_xfer.py client --fabric F --host h0 --peer h1 --port P --size N --mode write|send
+
+Both print JSON lines on stdout: the server {"event": "listening", "port": P}, the
+client {"event": "progress", ...} every `--progress` fraction, and both end with
+{"event": "done", "sha256": ..., "stats": ...}. The client's data is a seeded
+pattern; the server hashes what landed, so equal hashes mean byte-exact delivery.
+WRITE mode: `--chunk`-sized writes, `--depth` in flight, into one region. SEND mode:
+a stream of `--chunk`-sized SENDs into RECVs posted ahead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import click  # noqa: E402
+import numpy as np  # noqa: E402
+
+import mrc  # noqa: E402
+from mrc.paths import fabric_endpoint  # noqa: E402
+
+DONE_TAG = 0xD0E
+DESC_TAG = 0xDE5C
+
+
+def emit(**kw: Any) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def data(size: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+@click.group()
+def cli() -> None:
+    """Verified transfers between fabric hosts."""
+
+
+def common(f: Any) -> Any:
+    for opt in [
+        click.option("--fabric", required=True, help="Fabric file."),
+        click.option("--host", required=True, help="This host's name in the fabric."),
+        click.option("--port", default=0, help="TCP port of the connection hello."),
+        click.option("--size", default=1 << 30, help="Bytes to transfer."),
+        click.option("--mode", type=click.Choice(["write", "send"]), default="write"),
+        click.option("--chunk", default=4 << 20, help="Bytes per operation."),
+        click.option("--timeout", default=5.0, help="Endpoint timeout, seconds."),
+        click.option("--stats-socket", default=None, help="Serve stats here (mrc-route live)."),
+    ]:
+        f = opt(f)
+    return f
+
+
+@cli.command()
+@common
+def server(
+    fabric: str,
+    host: str,
+    port: int,
+    size: int,
+    mode: str,
+    chunk: int,
+    timeout: float,
+    stats_socket: str | None,
+) -> None:
+    fe = fabric_endpoint(fabric, host, timeout=timeout)
+    if stats_socket:
+        fe.endpoint.serve_stats(stats_socket)
+    emit(event="listening", port=fe.listen(port))
+    conn = fe.accept(timeout=60)
+    buf = np.zeros(size, np.uint8)
+    region = fe.endpoint.register(buf)
+    desc = np.frombuffer(region.descriptor().pack(), np.uint8).copy()
+    conn.send(fe.endpoint.register(desc), tag=DESC_TAG).wait(timeout=30)
+    recvs = []
+    if mode == "send":
+        recvs = [
+            conn.recv(region, offset=off, length=min(chunk, size - off), tag=1)
+            for off in range(0, size, chunk)
+        ]
+    done = np.zeros(8, np.uint8)
+    conn.recv(fe.endpoint.register(done), tag=DONE_TAG).wait(timeout=None)
+    for r in recvs:
+        r.wait(timeout=60)
+    emit(event="done", sha256=hashlib.sha256(buf).hexdigest(), stats=fe.endpoint.stats())
+    fe.close()
+
+
+@cli.command()
+@common
+@click.option("--peer", required=True, help="The server's host name.")
+@click.option("--depth", default=16, help="Operations in flight.")
+@click.option("--progress", default=0.05, help="Report every this fraction of the size.")
+@click.option("--timeline", is_flag=True, help="Report each operation's completion time.")
+@click.option("--seed", default=1)
+def client(
+    fabric: str,
+    host: str,
+    port: int,
+    size: int,
+    mode: str,
+    chunk: int,
+    timeout: float,
+    stats_socket: str | None,
+    peer: str,
+    depth: int,
+    progress: float,
+    timeline: bool,
+    seed: int,
+) -> None:
+    fe = fabric_endpoint(fabric, host, timeout=timeout)
+    if stats_socket:
+        fe.endpoint.serve_stats(stats_socket)
+    conn = fe.connect(peer, port, timeout=30)
+    desc = np.zeros(16, np.uint8)
+    conn.recv(fe.endpoint.register(desc), tag=DESC_TAG).wait(timeout=30)
+    remote = mrc.RemoteRegion.unpack(desc.tobytes())
+    src = data(size, seed)
+    local = fe.endpoint.register(src, remote_write=False)
+    offsets = list(range(0, size, chunk))
+    pending: list[tuple[int, mrc.Operation]] = []
+    done_bytes, next_report, times = 0, progress * size, []
+    start = time.monotonic()
+
+    def post(off: int) -> mrc.Operation:
+        n = min(chunk, size - off)
+        if mode == "write":
+            return conn.write(local, remote, offset=off, length=n, remote_offset=off)
+        return conn.send(local, offset=off, length=n, tag=1)
+
+    for off in offsets:
+        if len(pending) >= depth:
+            o, op = pending.pop(0)
+            op.wait(timeout=None)
+            done_bytes += op.length
+            times.append(time.monotonic() - start)
+            if done_bytes >= next_report:
+                emit(event="progress", bytes=done_bytes, t=times[-1])
+                next_report += progress * size
+        pending.append((off, post(off)))
+    for _, op in pending:
+        op.wait(timeout=None)
+        done_bytes += op.length
+        times.append(time.monotonic() - start)
+    elapsed = time.monotonic() - start
+    conn.send(fe.endpoint.register(np.zeros(8, np.uint8)), tag=DONE_TAG).wait(timeout=30)
+    out: dict[str, Any] = {
+        "event": "done",
+        "sha256": hashlib.sha256(src).hexdigest(),
+        "bytes": done_bytes,
+        "elapsed": elapsed,
+        "gbps": done_bytes * 8 / elapsed / 1e9,
+        "stats": fe.endpoint.stats(),
+    }
+    if timeline:
+        out["times"] = times
+        out["chunk"] = chunk
+    emit(**out)
+    fe.close()
+
+
+def main() -> None:
+    try:
+        cli(standalone_mode=False)
+    except mrc.MrcError as e:
+        emit(event="error", error=type(e).__name__, message=str(e))
+        sys.exit(1)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
