@@ -131,14 +131,20 @@ print(json.dumps({"counts": counts, "srh": srh}), flush=True)
 
 _SENDER = r"""
 import json, socket, sys
+errors = {}
 for src, srh, dst, port, tag, count in json.loads(sys.argv[1]):
     s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
     s.bind((src, 0))
     if srh:
         s.setsockopt(41, 57, bytes.fromhex(srh))  # IPV6_RTHDR, sticky
     for i in range(count):
-        s.sendto(f"{tag}:{i}".encode(), (dst, port))
+        try:
+            s.sendto(f"{tag}:{i}".encode(), (dst, port))
+        except OSError as e:  # e.g. ENETUNREACH: no route to the first segment
+            errors.setdefault(tag, {}).setdefault(e.strerror, 0)
+            errors[tag][e.strerror] += 1
     s.close()
+print(json.dumps(errors))
 """
 
 
@@ -206,14 +212,28 @@ def send_on_paths(
     host: str,
     sends: Sequence[tuple[Path, str, int]],
     port: int = UDP_PORT,
-) -> None:
+) -> dict[str, dict[str, int]]:
     """From `host`'s namespace, send (path, tag, count) datagrams "tag:i", each path on its
-    own socket bound to the path's plane address with the path's SRH set sticky."""
+    own socket bound to the path's plane address with the path's SRH set sticky.
+    Returns the send errors: {tag: {strerror: count}} (empty when every sendto worked)."""
     spec = [
         [p.src_addr, build_srh(p.segments).hex() if p.segments else "", p.dst_addr, port, tag, n]
         for p, tag, n in sends
     ]
-    fab.run(host, [sys.executable, "-c", _SENDER, json.dumps(spec)])
+    out = fab.run(host, [sys.executable, "-c", _SENDER, json.dumps(spec)]).stdout
+    errors: dict[str, dict[str, int]] = json.loads(out.strip().splitlines()[-1])
+    return errors
+
+
+def wait_tcp_listening(fab: RunningFabric, host: str, port: int, timeout: float = 10) -> None:
+    """Poll (bounded) until something listens on TCP `port` in `host`'s namespace."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = fab.run(host, ["ss", "-Hltn", f"sport = :{port}"]).stdout
+        if out.strip():
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"nothing listens on TCP port {port} in {host} after {timeout} s")
 
 
 def namespaces_left(prefix: str) -> list[str]:
