@@ -30,6 +30,7 @@ from mrc.routing.table import (
     check_table,
     compile_table,
     diff_tables,
+    text_row,
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -103,12 +104,14 @@ def cli() -> None:
 @click.option("--from", "src", metavar="HOST", help="Only paths from HOST.")
 @click.option("--to", "dst", metavar="HOST", help="Only paths to HOST.")
 @click.option("--all", "include_failed", is_flag=True, help="Also list failed paths.")
+@click.option("--text", "as_text", is_flag=True, help="The stable plain-text table form.")
 @_common
 def show(
     fabric: str | None,
     src: str | None,
     dst: str | None,
     include_failed: bool,
+    as_text: bool,
     failed: tuple[str, ...],
     state: str | None,
     as_json: bool,
@@ -130,6 +133,10 @@ def show(
         d = table.to_dict(include_failed)
         d["paths"] = [p.to_dict() for p in rows]
         click.echo(json.dumps(d, indent=1))
+        return
+    if as_text:
+        header = table.to_text(include_failed).splitlines()[:2]
+        click.echo("\n".join([*header, *(text_row(p) for p in rows)]))
         return
     _print_paths(table, rows)
 

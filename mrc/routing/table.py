@@ -68,6 +68,12 @@ class Path:
         )
 
 
+def text_row(p: Path) -> str:
+    """One path in the stable text form: src dst id plane spine src_addr segs dst_addr state."""
+    segs = ",".join(p.segments)
+    return f"{p.src} {p.dst} {p.id} {p.plane} {p.spine} {p.src_addr} {segs} {p.dst_addr} {p.state}"
+
+
 def host_planes(fabric: Fabric, host: str) -> list[str]:
     """The host's plane addresses; index = plane."""
     return list(fabric.host(host).addrs)
@@ -172,12 +178,7 @@ class Table:
             f"# {TABLE_FORMAT} fabric={self.fabric_name} failed={failed}",
             "# src dst id plane spine src_addr segments dst_addr state",
         ]
-        for p in self.rows(include_failed):
-            segs = ",".join(p.segments)
-            lines.append(
-                f"{p.src} {p.dst} {p.id} {p.plane} {p.spine} {p.src_addr} {segs} "
-                f"{p.dst_addr} {p.state}"
-            )
+        lines += [text_row(p) for p in self.rows(include_failed)]
         return "\n".join(lines) + "\n"
 
     @classmethod
