@@ -353,8 +353,8 @@ def set_loss(prefix: str, link_name: str, percent: int) -> State:
         sw, dev = loss_switch(fabric, fabric.link(name))
         if sw == switch:
             rules += [
-                f'    iifname "{dev}" numgen random mod 100 < {pct} drop',
-                f'    oifname "{dev}" numgen random mod 100 < {pct} drop',
+                f'    iifname "{dev}" numgen random mod 100 < {pct} counter drop',
+                f'    oifname "{dev}" numgen random mod 100 < {pct} counter drop',
             ]
     script = f"table inet {NFT_TABLE}\ndelete table inet {NFT_TABLE}\n"
     if rules:
@@ -367,6 +367,22 @@ def set_loss(prefix: str, link_name: str, percent: int) -> State:
     _run(["ip", "netns", "exec", ns_name(prefix, switch), "nft", "-f", "-"], script)
     state.save()
     return state
+
+
+def loss_drops(prefix: str, link_name: str) -> int:
+    """Packets dropped so far by the loss rules of `link_name` (both directions)."""
+    _state, fabric = _load(prefix)
+    switch, dev = loss_switch(fabric, fabric.link(link_name))
+    cmd = ["ip", "netns", "exec", ns_name(prefix, switch), "nft", "-j", "list", "ruleset"]
+    total = 0
+    for item in json.loads(_run(cmd))["nftables"]:
+        rule = item.get("rule")
+        if not rule or rule.get("table") != NFT_TABLE:
+            continue
+        exprs = rule["expr"]
+        if any(e.get("match", {}).get("right") == dev for e in exprs):
+            total += sum(e["counter"]["packets"] for e in exprs if "counter" in e)
+    return total
 
 
 def status(prefix: str) -> dict[str, Any]:

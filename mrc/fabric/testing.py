@@ -79,6 +79,9 @@ class RunningFabric:
     def loss(self, link: str, percent: int) -> None:
         netns.set_loss(self.prefix, link, percent)
 
+    def loss_drops(self, link: str) -> int:
+        return netns.loss_drops(self.prefix, link)
+
     def counters(self, element: str) -> dict[str, dict[str, int]]:
         return netns.link_counters(self.prefix, element)
 
@@ -111,6 +114,10 @@ for a in addrs:
     s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
     s.bind((a, port))
     s.setsockopt(41, 56, 1)  # IPV6_RECVRTHDR: hand us the routing header
+    try:  # bursts of small datagrams overflow the default buffer (~256 of them)
+        s.setsockopt(socket.SOL_SOCKET, 33, 16 << 20)  # SO_RCVBUFFORCE (root)
+    except OSError:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
     socks.append(s)
 print("ready", flush=True)
 counts, srh = {}, {}
