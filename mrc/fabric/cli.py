@@ -1,0 +1,157 @@
+"""mrc-fabric: build a fabric file as network namespaces, fail and heal it, tear it down.
+
+    mrc-fabric up FABRIC [--name PREFIX]      namespaces <PREFIX>-<element> (default "mrc")
+    mrc-fabric fail|heal ELEMENT [--name P]   a link, switch, host or planeN
+    mrc-fabric loss LINK PERCENT [--name P]   random drop on a link (0 removes it)
+    mrc-fabric status [--name P] [--json]
+    mrc-fabric exec ELEMENT [--name P] -- CMD...
+    mrc-fabric down [--name P]                also cleans up after a crash
+
+Exit codes: 0 fine, 1 a command failed, 2 bad input (fabric file, element name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
+
+import click
+from rich.console import Console
+from rich.table import Table as RichTable
+
+from mrc.fabric import netns
+from mrc.fabric.state import DEFAULT_PREFIX, FabricNetError
+from mrc.routing.fabric import FabricError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _name(f: F) -> F:
+    return click.option(
+        "--name",
+        "-n",
+        "prefix",
+        default=DEFAULT_PREFIX,
+        show_default=True,
+        help="Fabric name: the prefix of its namespaces.",
+    )(f)
+
+
+def _fail(err: Exception) -> NoReturn:
+    click.echo(f"mrc-fabric: error: {err}", err=True)
+    sys.exit(2 if isinstance(err, FabricError) else 1)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Build a fabric file (routing/*.toml) as real network namespaces (needs root)."""
+
+
+@cli.command()
+@click.argument("fabric")
+@_name
+def up(fabric: str, prefix: str) -> None:
+    """Build FABRIC: a namespace per host and switch, veth links, SRv6 SIDs, rate limits."""
+    try:
+        netns.up(fabric, prefix)
+        st = netns.status(prefix)
+    except (FabricError, FabricNetError) as e:
+        _fail(e)
+    click.echo(f"up: {st['fabric']} as {st['namespaces']} namespaces {prefix}-*")
+
+
+@cli.command()
+@_name
+def down(prefix: str) -> None:
+    """Remove every namespace of the fabric (also leftovers of a crash) and its state."""
+    try:
+        gone = netns.down(prefix)
+    except FabricNetError as e:
+        _fail(e)
+    click.echo(f"down: removed {len(gone)} namespaces {prefix}-*")
+
+
+@cli.command()
+@click.argument("element")
+@_name
+def fail(element: str, prefix: str) -> None:
+    """Fail ELEMENT: a link, a switch or host (all its links) or planeN (all its links)."""
+    try:
+        st = netns.fail(prefix, element)
+    except (FabricError, FabricNetError) as e:
+        _fail(e)
+    click.echo(f"failed: {', '.join(st.failed)}")
+
+
+@cli.command()
+@click.argument("element")
+@_name
+def heal(element: str, prefix: str) -> None:
+    """Heal a failed ELEMENT."""
+    try:
+        st = netns.heal(prefix, element)
+    except (FabricError, FabricNetError) as e:
+        _fail(e)
+    click.echo(f"failed: {', '.join(st.failed) or 'none'}")
+
+
+@cli.command()
+@click.argument("link")
+@click.argument("percent", type=click.IntRange(0, 100))
+@_name
+def loss(link: str, percent: int, prefix: str) -> None:
+    """Drop PERCENT % of the packets on LINK, both directions (0 removes the loss)."""
+    try:
+        st = netns.set_loss(prefix, link, percent)
+    except (FabricError, FabricNetError) as e:
+        _fail(e)
+    click.echo("loss: " + (", ".join(f"{k} {v}%" for k, v in st.loss.items()) or "none"))
+
+
+@cli.command()
+@_name
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(prefix: str, as_json: bool) -> None:
+    """What is up: fabric file, namespaces, failed elements, down links, loss."""
+    try:
+        st = netns.status(prefix)
+    except (FabricError, FabricNetError) as e:
+        _fail(e)
+    if as_json:
+        click.echo(json.dumps(st, indent=1))
+        return
+    t = RichTable(title=f"fabric {prefix}", show_header=False, title_justify="left")
+    t.add_column("key")
+    t.add_column("value")
+    t.add_row("fabric", f"{st['fabric']} ({st['file']})")
+    t.add_row("namespaces", f"{st['namespaces']} ({len(st['missing'])} missing)")
+    t.add_row("failed", ", ".join(st["failed"]) or "none")
+    t.add_row("down links", ", ".join(st["down_links"]) or "none")
+    t.add_row("loss", ", ".join(f"{k} {v}%" for k, v in st["loss"].items()) or "none")
+    Console().print(t)
+    if st["missing"]:
+        sys.exit(1)
+
+
+@cli.command("exec", context_settings={"ignore_unknown_options": True})
+@click.argument("element")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@_name
+def exec_(element: str, cmd: tuple[str, ...], prefix: str) -> None:
+    """Run CMD in ELEMENT's namespace: mrc-fabric exec h0 -- iperf3 -s."""
+    try:
+        argv = netns.exec_argv(prefix, element, cmd)
+    except (FabricError, FabricNetError) as e:
+        _fail(e)
+    os.execvp(argv[0], argv)
+
+
+def main() -> None:
+    cli(prog_name="mrc-fabric")
+
+
+if __name__ == "__main__":
+    main()

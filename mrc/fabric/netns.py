@@ -1,0 +1,425 @@
+"""Build a fabric file as real network namespaces (root only).
+
+One namespace per host and per switch, named "<prefix>-<element>"; one veth pair per link
+(MTU 9000), interfaces named for the peer element on switches and "nic<plane>" on hosts;
+IPv6 addresses with nodad and keep_addr_on_down=1 (so fail/heal keeps them); an End SID
+(seg6local) on every switch; static routes (proto 150) so every host plane address and
+every locator of a plane is reachable inside the plane; tbf on both ends of every link
+(tbf shapes egress only). Failed links are set down at both ends; routes are recomputed
+so that no node keeps a static route into a dead end (as a routing protocol would
+converge to; never a detour: only shortest-path next hops of the healthy fabric).
+
+Commands go through `ip -batch`, `tc -batch` and `nft -f`, one process per namespace and
+tool, run in parallel: bringing up the 4-host 4-plane fabric takes about a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path as FsPath
+from typing import Any
+
+from mrc.fabric.state import (
+    FabricNetError,
+    State,
+    check_prefix,
+    load_state,
+    remove_state,
+    state_path,
+)
+from mrc.routing.fabric import Fabric, FabricError, Host, Link, Switch, load_fabric
+
+NETNS_DIR = "/run/netns"
+ROUTE_PROTO = "150"  # marks every route mrc-fabric adds, so it can flush exactly those
+MTU = 9000
+NFT_TABLE = "mrc_loss"
+_WORKERS = 8
+
+
+# Running commands ---------------------------------------------------------------------------
+
+
+def _run(cmd: Sequence[str], input: str | None = None, check: bool = True) -> str:
+    proc = subprocess.run(list(cmd), input=input, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip()
+        raise FabricNetError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): {detail}")
+    return proc.stdout
+
+
+def _parallel(jobs: Iterable[tuple[Sequence[str], str | None]]) -> None:
+    """Run (command, stdin) jobs in parallel; raise the first failure after all finished."""
+    jobs = list(jobs)
+    with ThreadPoolExecutor(max_workers=_WORKERS) as pool:
+        futures = [pool.submit(_run, cmd, inp) for cmd, inp in jobs]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise errors[0]  # type: ignore[misc]
+
+
+def ns_name(prefix: str, element: str) -> str:
+    return f"{prefix}-{element}"
+
+
+def list_namespaces(prefix: str) -> list[str]:
+    """Every namespace of fabric `prefix` (also the leftovers of a crashed run)."""
+    check_prefix(prefix)
+    try:
+        names = os.listdir(NETNS_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n.startswith(prefix + "-"))
+
+
+# What to configure ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Route:
+    prefix: str
+    nexthops: tuple[tuple[str, str], ...]  # (gateway, interface)
+
+    def command(self) -> str:
+        if len(self.nexthops) == 1:
+            gw, dev = self.nexthops[0]
+            return f"route replace {self.prefix} proto {ROUTE_PROTO} via {gw} dev {dev} onlink"
+        hops = " ".join(f"nexthop via {gw} dev {dev} onlink" for gw, dev in self.nexthops)
+        return f"route replace {self.prefix} proto {ROUTE_PROTO} {hops}"
+
+
+def compute_routes(fabric: Fabric, down: frozenset[str]) -> dict[str, list[Route]]:
+    """Static routes of every node, given the set of down links.
+
+    Next hops are those on shortest paths of the healthy plane (so never a detour through a
+    valley), minus the ones over a down link or towards a node that lost its own route.
+    """
+    routes: dict[str, list[Route]] = {n: [] for n in fabric.nodes()}
+    for plane in range(fabric.planes):
+        links = [link for link in fabric.links if link.plane == plane]
+        adj: dict[str, list[tuple[str, Link]]] = {}
+        for link in links:
+            adj.setdefault(link.a, []).append((link.b, link))
+            adj.setdefault(link.b, []).append((link.a, link))
+        hosts = {h.name for h in fabric.hosts}
+        dests: list[tuple[str, str, Link | None]] = []  # (prefix, owner, connected link)
+        for h in fabric.hosts:
+            hl = fabric.host_link(h.name, plane)
+            dests.append((hl.prefix, h.name, hl))
+        for s in fabric.switches:
+            if s.plane == plane:
+                dests.append((s.locator, s.name, None))
+        for prefix, owner, connected in dests:
+            dist = {owner: 0}
+            order = [owner]
+            for node in order:  # BFS; hosts do not forward
+                if node in hosts and node != owner:
+                    continue
+                for peer, _link in adj.get(node, []):
+                    if peer not in dist:
+                        dist[peer] = dist[node] + 1
+                        order.append(peer)
+            reach = {owner}
+            for node in order[1:]:
+                hops = []
+                for peer, link in adj.get(node, []):
+                    if dist.get(peer) == dist[node] - 1 and peer in reach and link.name not in down:
+                        if connected is not None and link is connected:
+                            hops = []  # the kernel's connected route covers it
+                            reach.add(node)
+                            break
+                        hops.append((link.end(peer)[1], link.end(node)[0]))
+                if hops:
+                    reach.add(node)
+                    routes[node].append(Route(prefix, tuple(sorted(hops, key=lambda x: x[1]))))
+    return routes
+
+
+def _end_sid_command(fabric: Fabric, sw: Switch, down: frozenset[str]) -> str | None:
+    # seg6local needs a real device (there is no dummy driver here, and "dev lo" does not
+    # forward): use the switch's first link that is up.
+    for link in fabric.links_of(sw.name):
+        if link.name not in down:
+            dev = link.end(sw.name)[0]
+            return (
+                f"route replace {sw.sid}/128 proto {ROUTE_PROTO} encap seg6local action End "
+                f"dev {dev}"
+            )
+    return None
+
+
+def _node_commands(
+    fabric: Fabric, node: Host | Switch, down: frozenset[str], routes: list[Route]
+) -> list[str]:
+    cmds = [f"route flush proto {ROUTE_PROTO}"]
+    if isinstance(node, Switch) and (end := _end_sid_command(fabric, node, down)):
+        cmds.append(end)
+    cmds += [r.command() for r in routes]
+    return cmds
+
+
+def _sysctls(node: Host | Switch) -> str:
+    fwd = "1" if isinstance(node, Switch) else "0"
+    values = {
+        "accept_dad": "0",
+        "dad_transmits": "0",
+        "keep_addr_on_down": "1",
+        "seg6_enabled": "1",
+        "accept_ra": "0",
+        "router_solicitations": "0",
+        "forwarding": fwd,
+    }
+    pairs = [
+        f"net.ipv6.conf.{scope}.{k}={v}" for scope in ("all", "default") for k, v in values.items()
+    ]
+    return " ".join(pairs)
+
+
+def _burst(rate_bps: int) -> int:
+    # At least two jumbo frames, and 1 ms at the rate: tbf needs burst >= rate / HZ.
+    return max(2 * MTU + 2000, rate_bps // 8 // 1000)
+
+
+# The operations -------------------------------------------------------------------------------
+
+
+def up(fabric_file: str | FsPath, prefix: str) -> State:
+    """Build `fabric_file` as namespaces "<prefix>-<element>". On any failure everything
+    made so far is removed again. Raises FabricError (bad file) or FabricNetError."""
+    check_prefix(prefix)
+    fabric = load_fabric(fabric_file)
+    if os.geteuid() != 0:
+        raise FabricNetError("mrc-fabric up needs root (network namespaces)")
+    if list_namespaces(prefix) or state_path(prefix).exists():
+        raise FabricNetError(
+            f"fabric {prefix!r} is already up (or left over); run `mrc-fabric down --name {prefix}`"
+        )
+    state = State(prefix, str(FsPath(fabric_file).resolve()))
+    try:
+        _build(fabric, prefix)
+        state.save()
+    except BaseException:
+        down(prefix)
+        raise
+    return state
+
+
+def _build(fabric: Fabric, prefix: str) -> None:
+    nodes: list[Host | Switch] = [*fabric.hosts, *fabric.switches]
+    ns = {n.name: ns_name(prefix, n.name) for n in nodes}
+    _run(["ip", "-batch", "-"], "".join(f"netns add {ns[n.name]}\n" for n in nodes))
+    # Defaults first, so every interface created afterwards inherits them.
+    _parallel(
+        (["ip", "netns", "exec", ns[n.name], "sysctl", "-q", "-w", *_sysctls(n).split()], None)
+        for n in nodes
+    )
+    veths = "".join(
+        f"link add {link.a_if} netns {ns[link.a]} mtu {MTU} type veth "
+        f"peer name {link.b_if} netns {ns[link.b]} mtu {MTU}\n"
+        for link in fabric.links
+    )
+    _run(["ip", "-batch", "-"], veths)
+    routes = compute_routes(fabric, frozenset())
+
+    def configure(node: Host | Switch) -> None:
+        cmds = ["link set lo up"]
+        tc = []
+        for link in fabric.links_of(node.name):
+            dev, addr, _peer = link.end(node.name)
+            cmds += [f"addr add {addr}/64 dev {dev} nodad", f"link set {dev} up"]
+            tc.append(
+                f"qdisc replace dev {dev} root tbf rate {link.rate_bps}bit "
+                f"burst {_burst(link.rate_bps)} latency 20ms"
+            )
+        cmds += _node_commands(fabric, node, frozenset(), routes[node.name])
+        _run(["ip", "-6", "-n", ns[node.name], "-batch", "-"], "\n".join(cmds) + "\n")
+        _run(["tc", "-n", ns[node.name], "-batch", "-"], "\n".join(tc) + "\n")
+
+    with ThreadPoolExecutor(max_workers=_WORKERS) as pool:
+        for f in [pool.submit(configure, n) for n in nodes]:
+            f.result()
+
+
+def down(prefix: str) -> list[str]:
+    """Remove every namespace of fabric `prefix` (killing what runs in them; the veths and
+    nft tables go with them) and its state file. Safe to call when nothing is up.
+    Returns the namespaces removed."""
+    names = list_namespaces(prefix)
+    for name in names:
+        for pid in _run(["ip", "netns", "pids", name], check=False).split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+    if names:
+        _run(
+            ["ip", "-force", "-batch", "-"], "".join(f"netns del {n}\n" for n in names), check=False
+        )
+    left = list_namespaces(prefix)
+    remove_state(prefix)
+    if left:
+        raise FabricNetError(f"could not remove namespaces: {', '.join(left)}")
+    return names
+
+
+def _load(prefix: str) -> tuple[State, Fabric]:
+    state = load_state(prefix)
+    return state, load_fabric(state.fabric)
+
+
+def _check_element(fabric: Fabric, element: str) -> None:
+    fabric.check_failed([element])
+
+
+def _apply_failed(
+    fabric: Fabric, prefix: str, before: frozenset[str], after: frozenset[str]
+) -> None:
+    was, now = fabric.failed_links(before), fabric.failed_links(after)
+    batches: dict[str, list[str]] = {}
+    for name in sorted(was ^ now):
+        link = fabric.link(name)
+        verb = "down" if name in now else "up"
+        for node in (link.a, link.b):
+            batches.setdefault(node, []).append(f"link set {link.end(node)[0]} {verb}")
+    old_routes, new_routes = compute_routes(fabric, was), compute_routes(fabric, now)
+    for node in fabric.nodes():
+        el = fabric.element(node)
+        assert isinstance(el, Host | Switch)
+        touched = node in batches
+        if touched or old_routes[node] != new_routes[node]:
+            batches.setdefault(node, []).extend(_node_commands(fabric, el, now, new_routes[node]))
+    _parallel(
+        (["ip", "-6", "-n", ns_name(prefix, node), "-batch", "-"], "\n".join(cmds) + "\n")
+        for node, cmds in batches.items()
+    )
+
+
+def fail(prefix: str, element: str) -> State:
+    """Fail a link, switch, host or plane (all its links go down at both ends)."""
+    state, fabric = _load(prefix)
+    _check_element(fabric, element)
+    before = frozenset(state.failed)
+    state.failed = sorted(before | {element})
+    _apply_failed(fabric, prefix, before, frozenset(state.failed))
+    state.save()
+    return state
+
+
+def heal(prefix: str, element: str) -> State:
+    """Undo `fail` of an element (a link stays down while another failed element covers it)."""
+    state, fabric = _load(prefix)
+    _check_element(fabric, element)
+    if element not in state.failed:
+        raise FabricNetError(
+            f"{element} is not failed (failed: {', '.join(state.failed) or 'none'})"
+        )
+    before = frozenset(state.failed)
+    state.failed = sorted(before - {element})
+    _apply_failed(fabric, prefix, before, frozenset(state.failed))
+    state.save()
+    return state
+
+
+def loss_switch(fabric: Fabric, link: Link) -> tuple[str, str]:
+    """(switch, interface) where loss on `link` is injected: a switch's forward hook sees
+    both directions of the link (a sender's own output hook would return EPERM instead)."""
+    for node in (link.a, link.b):
+        if isinstance(fabric.element(node), Switch):
+            return node, link.end(node)[0]
+    raise FabricError(f"link {link.name} has no switch end", fabric.source)
+
+
+def set_loss(prefix: str, link_name: str, percent: int) -> State:
+    """Drop `percent` % of the packets crossing `link_name`, each direction (0 removes it)."""
+    state, fabric = _load(prefix)
+    if not 0 <= percent <= 100:
+        raise FabricNetError(f"loss must be 0..100 percent, got {percent}")
+    try:
+        link = fabric.link(link_name)
+    except KeyError as e:
+        raise FabricError(str(e).strip("'\""), fabric.source, key="link") from None
+    if percent:
+        state.loss[link.name] = percent
+    else:
+        state.loss.pop(link.name, None)
+    switch, _dev = loss_switch(fabric, link)
+    rules = []
+    for name, pct in sorted(state.loss.items()):
+        sw, dev = loss_switch(fabric, fabric.link(name))
+        if sw == switch:
+            rules += [
+                f'    iifname "{dev}" numgen random mod 100 < {pct} counter drop',
+                f'    oifname "{dev}" numgen random mod 100 < {pct} counter drop',
+            ]
+    script = f"table inet {NFT_TABLE}\ndelete table inet {NFT_TABLE}\n"
+    if rules:
+        script += (
+            f"table inet {NFT_TABLE} {{\n  chain forward {{\n"
+            "    type filter hook forward priority 0; policy accept;\n"
+            + "\n".join(rules)
+            + "\n  }\n}\n"
+        )
+    _run(["ip", "netns", "exec", ns_name(prefix, switch), "nft", "-f", "-"], script)
+    state.save()
+    return state
+
+
+def loss_drops(prefix: str, link_name: str) -> int:
+    """Packets dropped so far by the loss rules of `link_name` (both directions)."""
+    _state, fabric = _load(prefix)
+    switch, dev = loss_switch(fabric, fabric.link(link_name))
+    cmd = ["ip", "netns", "exec", ns_name(prefix, switch), "nft", "-j", "list", "ruleset"]
+    total = 0
+    for item in json.loads(_run(cmd))["nftables"]:
+        rule = item.get("rule")
+        if not rule or rule.get("table") != NFT_TABLE:
+            continue
+        exprs = rule["expr"]
+        if any(e.get("match", {}).get("right") == dev for e in exprs):
+            total += sum(e["counter"]["packets"] for e in exprs if "counter" in e)
+    return total
+
+
+def status(prefix: str) -> dict[str, Any]:
+    """What is up: the state file plus which namespaces exist and which links are down."""
+    state, fabric = _load(prefix)
+    present = set(list_namespaces(prefix))
+    expected = [ns_name(prefix, n) for n in fabric.nodes()]
+    return {
+        "prefix": prefix,
+        "fabric": fabric.name,
+        "file": state.fabric,
+        "namespaces": len(expected),
+        "missing": sorted(set(expected) - present),
+        "failed": state.failed,
+        "down_links": sorted(fabric.failed_links(state.failed)),
+        "loss": state.loss,
+    }
+
+
+def exec_argv(prefix: str, host: str, cmd: Sequence[str]) -> list[str]:
+    """The argv that runs `cmd` in the namespace of `host` (or of any element)."""
+    _state, fabric = _load(prefix)
+    try:
+        fabric.element(host)
+    except KeyError:
+        raise FabricError(f"unknown element {host!r}", fabric.source) from None
+    return ["ip", "netns", "exec", ns_name(prefix, host), *cmd]
+
+
+def link_counters(prefix: str, element: str) -> dict[str, dict[str, int]]:
+    """Per-interface rx/tx packet counters in an element's namespace."""
+    out = _run(["ip", "-n", ns_name(prefix, element), "-s", "-j", "link", "show"])
+    stats: dict[str, dict[str, int]] = {}
+    for dev in json.loads(out):
+        s = dev.get("stats64", dev.get("stats", {}))
+        stats[dev["ifname"]] = {
+            "rx_packets": int(s["rx"]["packets"]),
+            "tx_packets": int(s["tx"]["packets"]),
+        }
+    return stats

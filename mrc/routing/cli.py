@@ -1,0 +1,204 @@
+"""mrc-route: show, check and diff static source-route tables.
+
+    mrc-route show FABRIC [--from H] [--to H] [--failed X ...] [--state PREFIX] [--all] [--json]
+    mrc-route check FABRIC [--failed X ...] [--state PREFIX] [--json]
+    mrc-route diff A B [--json]
+
+FABRIC is a fabric file (routing/*.toml) or a table saved with `show --json`. Exit codes:
+0 fine, 1 problems found (check) or tables differ (diff), 2 bad input.
+Commands are plain functions on a click group, so `live` (path state from a running
+transport) can be added as one more subcommand.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path as FsPath
+from typing import Any, NoReturn, TypeVar
+
+import click
+from rich.console import Console
+from rich.table import Table as RichTable
+
+from mrc.routing.fabric import FabricError, load_fabric
+from mrc.routing.table import (
+    FAILED,
+    Path,
+    Table,
+    check_table,
+    compile_table,
+    diff_tables,
+    text_row,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+EXIT_PROBLEMS = 1
+EXIT_BAD_INPUT = 2
+
+
+def _fail(err: Exception, as_json: bool) -> NoReturn:
+    if as_json:
+        body = err.to_dict() if isinstance(err, FabricError) else {"error": str(err)}
+        click.echo(json.dumps(body))
+    click.echo(f"mrc-route: error: {err}", err=True)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def _state_failed(prefix: str) -> tuple[str, list[str]]:
+    from mrc.fabric.state import load_state  # pure Python; no root needed
+
+    st = load_state(prefix)
+    return st.fabric, st.failed
+
+
+def load_table(source: str | None, failed: Iterable[str] = (), state: str | None = None) -> Table:
+    """A table from a fabric file (compiled with `failed` and the state's failed set) or
+    from a JSON table file. Raises FabricError (bad file) or MrcError (bad state)."""
+    failed = list(failed)
+    if state is not None:
+        fabric_file, state_failed = _state_failed(state)
+        source = source or fabric_file
+        failed += state_failed
+    if source is None:
+        raise FabricError("give a fabric file (or --state PREFIX)", "-")
+    if source.endswith(".json"):
+        try:
+            data = json.loads(FsPath(source).read_text())
+        except OSError as e:
+            raise FabricError(f"cannot read: {e.strerror}", source) from None
+        except ValueError as e:
+            raise FabricError(f"bad JSON: {e}", source) from None
+        table = Table.from_dict(data, source)
+        if failed:
+            raise FabricError("--failed/--state need a fabric file, not a table", source)
+        return table
+    return compile_table(load_fabric(source), failed)
+
+
+def _common(f: F) -> F:
+    f = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(f)
+    f = click.option(
+        "--state",
+        metavar="PREFIX",
+        help="Also apply the failed set of the running fabric PREFIX (mrc-fabric).",
+    )(f)
+    f = click.option(
+        "--failed",
+        "-f",
+        multiple=True,
+        metavar="ELEMENT",
+        help="A failed link, switch, host or planeN (repeatable).",
+    )(f)
+    return f
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Show, check and diff static SRv6 source-route tables compiled from fabric files."""
+
+
+@cli.command()
+@click.argument("fabric", required=False)
+@click.option("--from", "src", metavar="HOST", help="Only paths from HOST.")
+@click.option("--to", "dst", metavar="HOST", help="Only paths to HOST.")
+@click.option("--all", "include_failed", is_flag=True, help="Also list failed paths.")
+@click.option("--text", "as_text", is_flag=True, help="The stable plain-text table form.")
+@_common
+def show(
+    fabric: str | None,
+    src: str | None,
+    dst: str | None,
+    include_failed: bool,
+    as_text: bool,
+    failed: tuple[str, ...],
+    state: str | None,
+    as_json: bool,
+) -> None:
+    """Show the route table of FABRIC (one line per path)."""
+    try:
+        table = load_table(fabric, failed, state)
+        for host in (src, dst):
+            if host is not None and host not in table.hosts:
+                raise FabricError(f"no host {host!r}", table.source, key="--from/--to")
+    except Exception as e:  # noqa: BLE001 - every load problem is bad input
+        _fail(e, as_json)
+    rows = [
+        p
+        for p in table.rows(include_failed)
+        if (src is None or p.src == src) and (dst is None or p.dst == dst)
+    ]
+    if as_json:
+        d = table.to_dict(include_failed)
+        d["paths"] = [p.to_dict() for p in rows]
+        click.echo(json.dumps(d, indent=1))
+        return
+    if as_text:
+        header = table.to_text(include_failed).splitlines()[:2]
+        click.echo("\n".join([*header, *(text_row(p) for p in rows)]))
+        return
+    _print_paths(table, rows)
+
+
+def _print_paths(table: Table, rows: list[Path], title: str | None = None) -> None:
+    failed = ", ".join(sorted(table.failed)) or "none"
+    rt = RichTable(title=title or f"{table.fabric_name}  (failed: {failed})", title_justify="left")
+    for col in ("src", "dst", "id", "plane", "spine", "segments", "state"):
+        rt.add_column(col, justify="right" if col in ("id", "plane") else "left")
+    for p in rows:
+        state = f"[red]{p.state}[/red]" if p.state == FAILED else p.state
+        rt.add_row(p.src, p.dst, str(p.id), str(p.plane), p.spine, " ".join(p.segments), state)
+    Console().print(rt)
+
+
+@cli.command()
+@click.argument("fabric", required=False)
+@_common
+def check(fabric: str | None, failed: tuple[str, ...], state: str | None, as_json: bool) -> None:
+    """Check FABRIC's table: every host pair has a path, planes are balanced, no duplicate
+    address or SID, no usable path through a failed element. Exit 1 on any problem."""
+    try:
+        table = load_table(fabric, failed, state)
+    except Exception as e:  # noqa: BLE001
+        _fail(e, as_json)
+    problems = check_table(table)
+    if as_json:
+        click.echo(json.dumps({"ok": not problems, "problems": [p.to_dict() for p in problems]}))
+    elif problems:
+        for p in problems:
+            click.echo(f"{p.kind}: {p.message}")
+    else:
+        n = len(table.rows())
+        click.echo(f"ok: {table.fabric_name}: {n} paths, {len(table.hosts)} hosts")
+    sys.exit(EXIT_PROBLEMS if problems else 0)
+
+
+@cli.command()
+@click.argument("a")
+@click.argument("b")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def diff(a: str, b: str, as_json: bool) -> None:
+    """Paths that differ between tables A and B (fabric files or JSON tables).
+    Exit 1 when they differ."""
+    try:
+        ta, tb = load_table(a), load_table(b)
+    except Exception as e:  # noqa: BLE001
+        _fail(e, as_json)
+    changes = diff_tables(ta, tb)
+    if as_json:
+        click.echo(json.dumps([{"change": c, **p.to_dict()} for c, p in changes], indent=1))
+    else:
+        for c, p in changes:
+            click.echo(
+                f"{c} {p.src} {p.dst} {p.id} plane{p.plane} {p.spine} {','.join(p.segments)}"
+            )
+    sys.exit(EXIT_PROBLEMS if changes else 0)
+
+
+def main() -> None:
+    cli(prog_name="mrc-route")
+
+
+if __name__ == "__main__":
+    main()
