@@ -13,18 +13,13 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import sys
+import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path as FsPath
 from typing import Any
 
 from mrc.errors import UsageError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 needs the tomli backport
-    import tomli as tomllib
 
 DEFAULT_BASE = "fd00::/16"
 # Third hextet of an address: what kind of /64 it is (see docs/routing.md, "Addressing").
