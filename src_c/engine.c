@@ -38,7 +38,7 @@ static void conn_send_close_pt(mrc_conn *c)
     c->closing_sent = true;
     for (int i = 0; i < c->npaths; i++)
         if (c->paths[i].state != MRC_PATH_FAILED)
-            path_send_ctrl_pt(c, &c->paths[i], MRC_PKT_CLOSE, 0, now);
+            path_send_ctrl_pt(c, &c->paths[i], c->paths[i].id, MRC_PKT_CLOSE, 0, now);
 }
 
 /* Puts a live connection into error: every pending op fails with op_err,

@@ -324,7 +324,8 @@ void path_on_loss_pt(mrc_conn *c, struct path *p, bool timeout, uint64_t now);
 void path_on_probe_ack_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t now);
 void path_timers_pt(mrc_conn *c, uint64_t now, bool busy);
 uint64_t path_rto(const struct path *p);
-int path_send_ctrl_pt(mrc_conn *c, struct path *p, int type, uint32_t psn, uint64_t ts);
+int path_send_ctrl_pt(mrc_conn *c, struct path *p, int id, int type, uint32_t psn,
+                      uint64_t ts);
 void path_init(struct path *p, uint32_t mss);
 
 /* testing.c */

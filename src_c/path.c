@@ -37,9 +37,10 @@ static uint64_t target_delay(const struct path *p)
 {
     uint64_t base = p->base_rtt == UINT64_MAX ? 0 : p->base_rtt;
     /* A software datapath's delay is mostly batching and scheduling, not
-     * queueing: allow 1 ms (a few MB at tens of Gbit/s, well inside the
-     * socket buffers) before calling it congestion. */
-    return base > 1000000 ? base : 1000000;
+     * queueing (a veth fabric on two cores shows 1-1.5 ms RTTs with empty
+     * queues): allow 2 ms before calling it congestion. That is a few MB at
+     * tens of Gbit/s, well inside the socket buffers and tbf's 20 ms. */
+    return base > 2000000 ? base : 2000000;
 }
 
 static bool congested(const struct path *p)
@@ -115,7 +116,10 @@ struct path *path_for_ack_pt(mrc_conn *c, int id)
     return best && path_class(best) < 2 ? best : (p ? p : best);
 }
 
-int path_send_ctrl_pt(mrc_conn *c, struct path *p, int type, uint32_t psn, uint64_t ts)
+/* A header-only packet on path p. `id` goes in the path field: p's own id for
+ * a PROBE, the echoed id for a PROBE_ACK (which may leave on another path
+ * when the mirror is down: the id, not the socket, names what is answered). */
+int path_send_ctrl_pt(mrc_conn *c, struct path *p, int id, int type, uint32_t psn, uint64_t ts)
 {
     mrc_ep *ep = c->ep;
     if (!p || sock_batch_full_pt(ep, p->sock))
@@ -126,7 +130,7 @@ int path_send_ctrl_pt(mrc_conn *c, struct path *p, int type, uint32_t psn, uint6
     }
     uint8_t *buf = sock_tx_slot_pt(ep, p, MRC_CTRL_LEN, NULL, 0);
     *(struct mrc_hdr *)buf = (struct mrc_hdr){.magic = MRC_MAGIC, .version = MRC_WIRE_VERSION,
-                                              .type = (uint8_t)type, .path = (uint8_t)p->id,
+                                              .type = (uint8_t)type, .path = (uint8_t)id,
                                               .conn = c->peer_id, .psn = psn, .ts = ts};
     return 0;
 }
@@ -137,7 +141,7 @@ static void path_probe_pt(mrc_conn *c, struct path *p, uint64_t now)
     p->probe_sent_ns = now;
     p->probe_out = true;
     p->probes++;
-    path_send_ctrl_pt(c, p, MRC_PKT_PROBE, p->probe_seq, now);
+    path_send_ctrl_pt(c, p, p->id, MRC_PKT_PROBE, p->probe_seq, now);
 }
 
 void path_set_state_pt(mrc_conn *c, struct path *p, int state, uint64_t now)

@@ -329,7 +329,8 @@ void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, ui
         tx_on_nak_pt(c, h, (const struct mrc_nak_ext *)(h + 1));
         break;
     case MRC_PKT_PROBE:
-        path_send_ctrl_pt(c, path_for_ack_pt(c, h->path), MRC_PKT_PROBE_ACK, h->psn, h->ts);
+        path_send_ctrl_pt(c, path_for_ack_pt(c, h->path), h->path, MRC_PKT_PROBE_ACK, h->psn,
+                          h->ts);
         break;
     case MRC_PKT_PROBE_ACK:
         path_on_probe_ack_pt(c, p, h->ts, now);
