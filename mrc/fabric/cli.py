@@ -100,10 +100,10 @@ def heal(element: str, prefix: str) -> None:
 
 @cli.command()
 @click.argument("link")
-@click.argument("percent", type=click.IntRange(0, 100))
+@click.argument("percent", type=click.FloatRange(0, 100))
 @_name
-def loss(link: str, percent: int, prefix: str) -> None:
-    """Drop PERCENT % of the packets on LINK, both directions (0 removes the loss)."""
+def loss(link: str, percent: float, prefix: str) -> None:
+    """Drop PERCENT % (e.g. 2 or 0.5) of the packets on LINK, both directions (0 removes it)."""
     try:
         st = netns.set_loss(prefix, link, percent)
     except (FabricError, FabricNetError) as e:

@@ -334,8 +334,9 @@ def loss_switch(fabric: Fabric, link: Link) -> tuple[str, str]:
     raise FabricError(f"link {link.name} has no switch end", fabric.source)
 
 
-def set_loss(prefix: str, link_name: str, percent: int) -> State:
-    """Drop `percent` % of the packets crossing `link_name`, each direction (0 removes it)."""
+def set_loss(prefix: str, link_name: str, percent: float) -> State:
+    """Drop `percent` % of the packets crossing `link_name`, each direction (0 removes it).
+    Resolution: 0.01 % (nftables draws a random number modulo 10000)."""
     state, fabric = _load(prefix)
     if not 0 <= percent <= 100:
         raise FabricNetError(f"loss must be 0..100 percent, got {percent}")
@@ -353,8 +354,8 @@ def set_loss(prefix: str, link_name: str, percent: int) -> State:
         sw, dev = loss_switch(fabric, fabric.link(name))
         if sw == switch:
             rules += [
-                f'    iifname "{dev}" numgen random mod 100 < {pct} counter drop',
-                f'    oifname "{dev}" numgen random mod 100 < {pct} counter drop',
+                f'    iifname "{dev}" numgen random mod 10000 < {round(pct * 100)} counter drop',
+                f'    oifname "{dev}" numgen random mod 10000 < {round(pct * 100)} counter drop',
             ]
     script = f"table inet {NFT_TABLE}\ndelete table inet {NFT_TABLE}\n"
     if rules:

@@ -47,7 +47,7 @@ class State:
     prefix: str
     fabric: str  # absolute path of the fabric file
     failed: list[str] = field(default_factory=list)
-    loss: dict[str, int] = field(default_factory=dict)  # link -> percent
+    loss: dict[str, float] = field(default_factory=dict)  # link -> percent
 
     def save(self) -> None:
         path = state_path(self.prefix)
@@ -77,7 +77,7 @@ def load_state(prefix: str) -> State:
         prefix=str(data["prefix"]),
         fabric=str(data["fabric"]),
         failed=[str(x) for x in data.get("failed", [])],
-        loss={str(k): int(v) for k, v in data.get("loss", {}).items()},
+        loss={str(k): float(v) for k, v in data.get("loss", {}).items()},
     )
 
 

@@ -76,7 +76,7 @@ class RunningFabric:
     def heal(self, element: str) -> None:
         netns.heal(self.prefix, element)
 
-    def loss(self, link: str, percent: int) -> None:
+    def loss(self, link: str, percent: float) -> None:
         netns.set_loss(self.prefix, link, percent)
 
     def loss_drops(self, link: str) -> int:

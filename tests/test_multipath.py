@@ -1,0 +1,328 @@
+"""Multipath on the SRv6 namespace fabric (4 hosts, 4 planes, 2 spines per plane):
+transfers complete byte-exact while planes, spines and links fail, flap and drop
+packets; failed paths are detected quickly and come back after a heal.
+
+One process per host (tools/fabric_xfer.py); the client exposes its stats socket,
+which the test polls to see path states as the transport sees them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mrc import telemetry
+
+pytestmark = pytest.mark.root
+
+ROOT = Path(__file__).resolve().parent.parent
+FABRIC = ROOT / "tests" / "fabrics" / "4host-4plane-fast.toml"
+XFER = str(ROOT / "tools" / "fabric_xfer.py")
+SRC, DST = "h0", "h2"  # on different leaves: every path crosses leaf, spine, leaf
+GIB = 1 << 30
+# (size, chunk): the headline test moves 1 GiB; the others 256 MiB, which already
+# spans hundreds of round trips around each fault, to keep the suite short.
+MODES = {"write": (GIB // 4, 4 << 20), "send": (GIB // 4, 4 << 20)}
+
+
+@pytest.fixture(scope="module")
+def fab() -> Iterator[Any]:
+    from conftest import require_root
+
+    require_root()
+    from mrc.fabric.testing import fabric_up
+
+    with fabric_up(FABRIC) as f:
+        yield f
+
+
+@pytest.fixture
+def clean(fab: Any) -> Iterator[Any]:
+    """The fabric with nothing failed and no loss, before and after the test."""
+
+    def reset() -> None:
+        for el in list(fab.failed):
+            fab.heal(el)
+        from mrc.fabric.state import load_state
+
+        for link in list(load_state(fab.prefix).loss):
+            fab.loss(link, 0)
+
+    reset()
+    yield fab
+    reset()
+
+
+class Transfer:
+    """A verified transfer SRC -> DST running in the fabric's host namespaces."""
+
+    def __init__(self, fab: Any, mode: str, timeout: float = 5.0, size: int | None = None):
+        self.fab = fab
+        self.size, chunk = MODES[mode]
+        self.size = size or self.size
+        self.sock = f"/tmp/mrc-test-{os.getpid()}-{id(self)}.sock"
+        args = [
+            "--fabric",
+            str(FABRIC),
+            "--size",
+            str(self.size),
+            "--mode",
+            mode,
+            "--chunk",
+            str(chunk),
+            "--timeout",
+            str(timeout),
+        ]
+        self.server = fab.popen(
+            DST, [sys.executable, XFER, "server", "--host", DST, *args], stdout=subprocess.PIPE
+        )
+        assert self.server.stdout is not None
+        port = json.loads(self.server.stdout.readline())["port"]
+        self.client = fab.popen(
+            SRC,
+            [
+                sys.executable,
+                XFER,
+                "client",
+                "--host",
+                SRC,
+                "--peer",
+                DST,
+                "--port",
+                str(port),
+                "--progress",
+                "0.02",
+                "--stats-socket",
+                self.sock,
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+        )
+        self.done_bytes = 0
+        self.result: dict[str, Any] = {}
+        self.cond = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.client.stdout is not None
+        for line in self.client.stdout:
+            ev = json.loads(line)
+            with self.cond:
+                if ev["event"] == "progress":
+                    self.done_bytes = ev["bytes"]
+                else:
+                    self.result = ev
+                self.cond.notify_all()
+        with self.cond:
+            self.result = self.result or {"event": "error", "message": "client exited"}
+            self.cond.notify_all()
+
+    def wait_fraction(self, frac: float, timeout: float = 120) -> None:
+        with self.cond:
+            ok = self.cond.wait_for(
+                lambda: self.done_bytes >= frac * self.size or self.result, timeout
+            )
+        assert ok and not self.result, f"transfer ended before {frac:.0%}: {self.result}"
+
+    def finished(self) -> bool:
+        with self.cond:
+            return bool(self.result)
+
+    def finish(self, timeout: float = 180) -> tuple[dict[str, Any], dict[str, Any]]:
+        with self.cond:
+            self.cond.wait_for(lambda: bool(self.result), timeout)
+        self.client.wait(timeout=30)
+        server: dict[str, Any] = {}
+        if self.result.get("event") == "done":
+            assert self.server.stdout is not None
+            server = json.loads(self.server.stdout.readline())
+        self.server.kill()
+        self.server.wait()
+        return self.result, server
+
+    def paths(self) -> list[dict[str, Any]]:
+        return telemetry.fetch(self.sock)["stats"]["paths"]
+
+    def wait_paths(self, pred: Callable[[list[dict[str, Any]]], bool], timeout: float) -> float:
+        """Seconds until pred(paths) holds (polling the stats socket); fails after timeout."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if pred(self.paths()):
+                return time.monotonic() - t0
+            time.sleep(0.005)  # polling interval of an external observer, not a sync point
+        raise AssertionError(
+            f"path states not reached in {timeout} s: "
+            f"{[(p['path'], p['state']) for p in self.paths()]}"
+        )
+
+    def kill(self) -> None:
+        for p in (self.client, self.server):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def verified(t: Transfer) -> dict[str, Any]:
+    client, server = t.finish()
+    assert client["event"] == "done", f"an operation failed: {client}"
+    assert client["bytes"] == t.size
+    assert client["sha256"] == server["sha256"], "data differs between the two ends"
+    return client
+
+
+def path_ids(fab: Any, pred: Callable[[Any], bool]) -> set[int]:
+    return {p.id for p in fab.paths(SRC, DST, include_failed=True) if pred(p)}
+
+
+def states(paths: list[dict[str, Any]], ids: set[int]) -> set[str]:
+    return {p["state"] for p in paths if p["path"] in ids}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_plane_fails_mid_transfer(clean: Any, mode: str) -> None:
+    t = Transfer(clean, mode, size=GIB if mode == "write" else GIB // 2)
+    try:
+        plane1 = path_ids(clean, lambda p: p.plane == 1)
+        t.wait_fraction(0.25)
+        clean.fail("plane1")
+        took = t.wait_paths(lambda ps: states(ps, plane1) == {"failed"}, timeout=5)
+        assert took < 1.0, f"plane 1's paths took {took:.3f} s to be marked failed"
+        verified(t)
+    finally:
+        t.kill()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_three_of_four_planes_fail(clean: Any, mode: str) -> None:
+    t = Transfer(clean, mode)
+    try:
+        t.wait_fraction(0.25)
+        for p in ("plane1", "plane2", "plane3"):
+            clean.fail(p)
+        client = verified(t)
+        left = path_ids(clean, lambda p: p.plane == 0)
+        assert states(client["stats"]["paths"], left) == {"good"}
+    finally:
+        t.kill()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_spine_fails(clean: Any, mode: str) -> None:
+    t = Transfer(clean, mode)
+    try:
+        via = path_ids(clean, lambda p: p.spine == "p0s1")
+        assert via
+        t.wait_fraction(0.25)
+        clean.fail("p0s1")
+        took = t.wait_paths(lambda ps: states(ps, via) == {"failed"}, timeout=5)
+        assert took < 1.0, f"paths via p0s1 took {took:.3f} s to be marked failed"
+        verified(t)
+    finally:
+        t.kill()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_link_flaps_every_200ms(clean: Any, mode: str) -> None:
+    t = Transfer(clean, mode)
+    stop = threading.Event()
+
+    def flap() -> None:
+        down = False
+        while not stop.wait(0.2):  # the flap period itself, not a synchronisation
+            (clean.heal if down else clean.fail)("h0-p2l0")
+            down = not down
+
+    flapper = threading.Thread(target=flap)
+    try:
+        t.wait_fraction(0.05)
+        flapper.start()
+        verified(t)
+    finally:
+        stop.set()
+        if flapper.is_alive():
+            flapper.join()
+        t.kill()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_one_link_drops_2_percent(clean: Any, mode: str) -> None:
+    clean.loss("p1l0-p1s0", 2)
+    t = Transfer(clean, mode)
+    try:
+        client = verified(t)
+        assert clean.loss_drops("p1l0-p1s0") > 0
+        assert client["stats"]["retx"] > 0
+    finally:
+        t.kill()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_all_links_drop_half_a_percent(clean: Any, mode: str) -> None:
+    for link in clean.fabric.links:
+        clean.loss(link.name, 0.5)
+    t = Transfer(clean, mode)
+    try:
+        client = verified(t)
+        assert client["stats"]["retx"] > 0
+    finally:
+        t.kill()
+
+
+def test_healed_path_returns_and_carries_traffic(clean: Any) -> None:
+    t = Transfer(clean, "write", size=GIB)
+    try:
+        plane1 = path_ids(clean, lambda p: p.plane == 1)
+        t.wait_fraction(0.1)
+        clean.fail("plane1")
+        t.wait_paths(lambda ps: states(ps, plane1) == {"failed"}, timeout=5)
+        clean.heal("plane1")
+        took = t.wait_paths(lambda ps: states(ps, plane1) == {"good"}, timeout=10)
+        before = sum(p["tx_pkts"] for p in t.paths() if p["path"] in plane1)
+        t.wait_paths(
+            lambda ps: sum(p["tx_pkts"] for p in ps if p["path"] in plane1) > before + 100,
+            timeout=10,
+        )
+        verified(t)
+        assert took < 2.0, f"healed paths took {took:.3f} s to come back"
+    finally:
+        t.kill()
+
+
+def test_every_path_gone_fails_after_timeout(clean: Any) -> None:
+    t = Transfer(clean, "write", timeout=2.0)
+    try:
+        t.wait_fraction(0.2)
+        t0 = time.monotonic()
+        for p in range(4):
+            clean.fail(f"plane{p}")
+        client, _ = t.finish(timeout=30)
+        elapsed = time.monotonic() - t0
+        assert client["event"] == "error"
+        assert client["error"] == "PathDownError", client
+        assert "every path" in client["message"]
+        assert 1.5 < elapsed < 2.0 + 3.0, f"failed after {elapsed:.2f} s with a 2 s timeout"
+    finally:
+        t.kill()
+
+
+def test_every_path_gone_then_one_heals_in_time(clean: Any) -> None:
+    t = Transfer(clean, "write", timeout=5.0, size=GIB // 4)
+    try:
+        t.wait_fraction(0.2)
+        for p in range(4):
+            clean.fail(f"plane{p}")
+        t.wait_paths(lambda ps: {p["state"] for p in ps} == {"failed"}, timeout=5)
+        clean.heal("plane2")
+        verified(t)
+    finally:
+        t.kill()
