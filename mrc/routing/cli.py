@@ -3,11 +3,12 @@
     mrc-route show FABRIC [--from H] [--to H] [--failed X ...] [--state PREFIX] [--all] [--json]
     mrc-route check FABRIC [--failed X ...] [--state PREFIX] [--json]
     mrc-route diff A B [--json]
+    mrc-route live SOCKET [--interval S] [--count N] [--json]
 
 FABRIC is a fabric file (routing/*.toml) or a table saved with `show --json`. Exit codes:
 0 fine, 1 problems found (check) or tables differ (diff), 2 bad input.
-Commands are plain functions on a click group, so `live` (path state from a running
-transport) can be added as one more subcommand.
+`live` reads a running endpoint's stats socket (Endpoint.serve_stats) and shows its
+paths as the transport sees them: state, RTT, send rate, losses, refreshed.
 """
 
 from __future__ import annotations
@@ -194,6 +195,105 @@ def diff(a: str, b: str, as_json: bool) -> None:
                 f"{c} {p.src} {p.dst} {p.id} plane{p.plane} {p.spine} {','.join(p.segments)}"
             )
     sys.exit(EXIT_PROBLEMS if changes else 0)
+
+
+_STATE_STYLE = {"good": "green", "suspect": "yellow", "probing": "cyan", "failed": "red"}
+
+
+def _live_table(doc: dict[str, Any], prev: dict[str, Any] | None) -> RichTable:
+    """The paths of one stats snapshot; rates from the difference with `prev`."""
+    stats = doc["stats"]
+    dt = doc["time"] - prev["time"] if prev else 0.0
+    before = {(p["conn_id"], p["path"]): p for p in prev["stats"]["paths"]} if prev else {}
+    planes = ", ".join(f"{p['addr']}" for p in doc["planes"])
+    t = RichTable(title=f"pid {doc['pid']}: planes {planes}; {stats['conns']} connection(s)")
+    for col in (
+        "conn",
+        "path",
+        "plane",
+        "dst",
+        "seg",
+        "state",
+        "RTT us",
+        "base us",
+        "Mb/s",
+        "packets",
+        "retx",
+        "lost",
+        "cwnd KB",
+    ):
+        t.add_column(col, justify="left" if col in ("dst", "state") else "right")
+    for p in stats["paths"]:
+        old = before.get((p["conn_id"], p["path"]))
+        rate = (p["tx_bytes"] - old["tx_bytes"]) * 8 / dt / 1e6 if old and dt > 0 else 0.0
+        style = _STATE_STYLE.get(p["state"], "")
+        t.add_row(
+            str(p["conn"]),
+            str(p["path"]),
+            str(p["plane"]),
+            p["dst"],
+            str(p["segments"]),
+            f"[{style}]{p['state']}[/]",
+            f"{p['srtt_us']:.0f}",
+            f"{p['base_rtt_us']:.0f}",
+            f"{rate:.1f}",
+            str(p["tx_pkts"]),
+            str(p["retx"]),
+            str(p["lost"]),
+            f"{p['cwnd'] / 1024:.0f}",
+        )
+    drops = {k: v for k, v in stats["drops"].items() if v}
+    t.caption = "drops: " + (", ".join(f"{k} {v}" for k, v in drops.items()) or "none")
+    return t
+
+
+@cli.command()
+@click.argument("socket_path", metavar="SOCKET")
+@click.option(
+    "--interval",
+    default=0.5,
+    show_default=True,
+    type=click.FloatRange(0.05),
+    help="Seconds between refreshes.",
+)
+@click.option(
+    "--count",
+    default=0,
+    type=click.IntRange(0),
+    help="Stop after N snapshots (0: until interrupted).",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON snapshot per line.")
+def live(socket_path: str, interval: float, count: int, as_json: bool) -> None:
+    """Live path state of a running endpoint (one that called serve_stats(SOCKET))."""
+    import time
+
+    from rich.live import Live
+
+    from mrc.telemetry import fetch
+
+    def snap() -> dict[str, Any]:
+        try:
+            return fetch(socket_path)
+        except (OSError, ValueError) as e:
+            _fail(OSError(f"no mrc stats at {socket_path}: {e}"), as_json)
+
+    prev: dict[str, Any] | None = None
+    n = 0
+    if as_json:
+        while True:
+            click.echo(json.dumps(snap()))
+            n += 1
+            if count and n >= count:
+                return
+            time.sleep(interval)  # the refresh period
+    with Live(console=Console(), auto_refresh=False) as view:
+        while True:
+            doc = snap()
+            view.update(_live_table(doc, prev), refresh=True)
+            prev, n = doc, n + 1
+            if count and n >= count:
+                return
+            time.sleep(interval)  # the refresh period
 
 
 def main() -> None:
