@@ -170,6 +170,7 @@ def client(
         "stats": fe.endpoint.stats(),
     }
     if timeline:
+        out["t0"] = start  # CLOCK_MONOTONIC: comparable across namespaces of one host
         out["times"] = times
         out["chunk"] = chunk
     emit(**out)

@@ -1,0 +1,290 @@
+"""Multipath WRITE goodput on the shaped SRv6 namespace fabric, and failover.
+
+Runs as root (namespaces). Fabrics: routing/4host-4plane-1g.toml (4 planes x 1 Gbit/s)
+and routing/4host-4plane-unequal.toml (2, 1, 1, 0.5 Gbit/s). h0 writes to h2 (different
+leaves: every packet crosses leaf, spine, leaf, with SRv6 End at the spine).
+
+1. Aggregate goodput / sum of plane rates: all planes; plane 1 failed; unequal planes.
+2. Failover timeline: goodput in 1 ms bins (64 KiB writes) while plane 1 fails
+   mid-transfer; the gap is the longest stretch below 50% of the remaining capacity.
+3. Side by side: iperf3 TCP over one plane (plane 1's addresses), and over plane 1
+   while it fails: TCP is bound to the plane and stalls.
+
+    python benchmarks/multipath_fabric.py [--size-mib 1024]
+
+Writes results/multipath_fabric.json and results/multipath_fabric.png.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+from common import RESULTS, ensure_tool, save
+
+from mrc.fabric.testing import fabric_up
+from mrc.routing import host_planes
+
+ROOT = Path(__file__).resolve().parent.parent
+XFER = str(ROOT / "tools" / "fabric_xfer.py")
+FAB_1G = ROOT / "routing" / "4host-4plane-1g.toml"
+FAB_UNEQUAL = ROOT / "routing" / "4host-4plane-unequal.toml"
+SRC, DST = "h0", "h2"
+
+
+def transfer(
+    fab: Any, fabric: Path, size: int, chunk: int, depth: int, on_progress: Any = None
+) -> dict[str, Any]:
+    py = sys.executable
+    args = ["--fabric", str(fabric), "--size", str(size), "--chunk", str(chunk)]
+    srv = fab.popen(DST, [py, XFER, "server", "--host", DST, *args], stdout=subprocess.PIPE)
+    port = json.loads(srv.stdout.readline())["port"]
+    cli = fab.popen(
+        SRC,
+        [
+            py,
+            XFER,
+            "client",
+            "--host",
+            SRC,
+            "--peer",
+            DST,
+            "--port",
+            str(port),
+            "--depth",
+            str(depth),
+            "--timeline",
+            "--progress",
+            "0.01",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+    )
+    result: dict[str, Any] = {}
+    for line in cli.stdout:
+        ev = json.loads(line)
+        if ev["event"] == "progress":
+            if on_progress:
+                on_progress(ev["bytes"] / size)
+        else:
+            result = ev
+    cli.wait()
+    server = json.loads(srv.stdout.readline()) if result.get("event") == "done" else {}
+    srv.wait(timeout=30)
+    if result.get("event") != "done":
+        raise SystemExit(f"transfer failed: {result}")
+    result["verified"] = result["sha256"] == server["sha256"]
+    return result
+
+
+def plane_shares(result: dict[str, Any]) -> list[float]:
+    by_plane: dict[int, int] = {}
+    for p in result["stats"]["paths"]:
+        by_plane[p["plane"]] = by_plane.get(p["plane"], 0) + p["tx_bytes"]
+    total = sum(by_plane.values()) or 1
+    return [round(by_plane.get(i, 0) / total, 3) for i in range(4)]
+
+
+def goodput_case(
+    name: str, fabric: Path, capacity_gbps: float, size: int, failed: list[str] = ()
+) -> dict[str, Any]:
+    with fabric_up(fabric, prefix="bmp") as fab:
+        for el in failed:
+            fab.fail(el)
+        r = transfer(fab, fabric, size, 4 << 20, 16)
+    row = {
+        "case": name,
+        "capacity_gbps": capacity_gbps,
+        "goodput_gbps": round(r["gbps"], 3),
+        "ratio": round(r["gbps"] / capacity_gbps, 3),
+        "verified": r["verified"],
+        "retx": r["stats"]["retx"],
+        "plane_shares": plane_shares(r),
+    }
+    click.echo(
+        f"{name:28s} {r['gbps']:.3f} Gb/s of {capacity_gbps} -> {row['ratio']:.3f}"
+        f"  shares {row['plane_shares']}  verified={r['verified']}"
+    )
+    return row
+
+
+def failover_case(size: int) -> dict[str, Any]:
+    fail_at: dict[str, float] = {}
+    with fabric_up(FAB_1G, prefix="bmf") as fab:
+
+        def on_progress(frac: float) -> None:
+            if frac >= 0.4 and "t" not in fail_at:
+                fail_at["t"] = time.monotonic()
+                fab.fail("plane1")
+
+        r = transfer(fab, FAB_1G, size, 64 << 10, 64, on_progress)
+    t_fail = fail_at["t"] - r["t0"]
+    times = np.asarray(r["times"])
+    bins = np.bincount((times * 1000).astype(int)) * r["chunk"] * 8 / 1e-3 / 1e9  # Gb/s
+    fail_bin = int(t_fail * 1000)
+    remaining = 3.0
+    low = bins < 0.5 * remaining
+    # Longest run of low bins that starts within 50 ms after the failure.
+    gap, i = 0, fail_bin
+    while i < min(len(bins), fail_bin + 50):
+        if low[i]:
+            j = i
+            while j < len(bins) and low[j]:
+                j += 1
+            gap = max(gap, j - i)
+            i = j
+        else:
+            i += 1
+    before = bins[max(0, fail_bin - 500) : fail_bin]
+    after = bins[fail_bin + 50 : fail_bin + 550]
+    # The same statistic before the failure: what scheduling noise alone produces.
+    noise, i = 0, max(0, fail_bin - 500)
+    while i < fail_bin:
+        if low[i]:
+            j = i
+            while j < fail_bin and low[j]:
+                j += 1
+            noise = max(noise, j - i)
+            i = j
+        else:
+            i += 1
+    row = {
+        "fail_at_s": round(t_fail, 4),
+        "gap_ms": gap,
+        "noise_gap_ms_before_failure": noise,
+        "goodput_before_gbps": round(float(before.mean()), 3),
+        "goodput_after_gbps": round(float(after.mean()), 3),
+        "verified": r["verified"],
+        "bins_gbps": [round(float(b), 3) for b in bins],
+    }
+    click.echo(
+        f"failover: gap {gap} ms below 50% of 3 Gb/s (noise before: {noise} ms); "
+        f"{row['goodput_before_gbps']} -> {row['goodput_after_gbps']} Gb/s"
+    )
+    return row
+
+
+def iperf3_tcp(seconds: float, fail_after: float | None) -> dict[str, Any]:
+    iperf = ensure_tool("iperf3", "iperf3")
+    with fabric_up(FAB_1G, prefix="bmi") as fab:
+        src_addr = host_planes(fab.fabric, SRC)[1]
+        dst_addr = host_planes(fab.fabric, DST)[1]
+        srv = fab.popen(DST, [iperf, "-s", "-1", "-B", dst_addr], stdout=subprocess.DEVNULL)
+        from mrc.fabric.testing import wait_tcp_listening
+
+        wait_tcp_listening(fab, DST, 5201)
+        cli = fab.popen(
+            SRC,
+            [
+                iperf,
+                "-c",
+                dst_addr,
+                "-B",
+                src_addr,
+                "-t",
+                str(seconds),
+                "-i",
+                "0.1",
+                "-J",
+                "--connect-timeout",
+                "3000",
+            ],
+            stdout=subprocess.PIPE,
+        )
+        t0 = time.monotonic()
+        if fail_after is not None:
+            threading.Timer(fail_after, lambda: fab.fail("plane1")).start()
+        out, _ = cli.communicate(timeout=seconds + 60)
+        srv.kill()
+        srv.wait()
+    res = json.loads(out)
+    series = [
+        (iv["sum"]["start"], iv["sum"]["bits_per_second"] / 1e9) for iv in res.get("intervals", [])
+    ]
+    avg = res.get("end", {}).get("sum_received", {}).get("bits_per_second", 0) / 1e9
+    click.echo(
+        f"iperf3 TCP plane 1{' (fails at %.1f s)' % fail_after if fail_after else ''}: "
+        f"{avg:.3f} Gb/s average, took {time.monotonic() - t0:.1f} s"
+    )
+    return {"avg_gbps": round(avg, 3), "series": series, "fail_after_s": fail_after}
+
+
+@click.command()
+@click.option("--size-mib", default=1024, show_default=True, help="Bytes per goodput run.")
+def main(size_mib: int) -> None:
+    size = size_mib << 20
+    rows = [
+        goodput_case("4 x 1 Gb/s", FAB_1G, 4.0, size),
+        goodput_case("4 x 1 Gb/s, plane 1 failed", FAB_1G, 3.0, size, ["plane1"]),
+        goodput_case("2 + 1 + 1 + 0.5 Gb/s", FAB_UNEQUAL, 4.5, size),
+    ]
+    failover = failover_case(size)
+    tcp = iperf3_tcp(3.0, None)
+    tcp_fail = iperf3_tcp(3.0, 1.0)
+    out = save(
+        "multipath_fabric",
+        {
+            "benchmark": "multipath WRITE goodput and failover on the SRv6 namespace fabric",
+            "targets": {"ratio": 0.95, "ratio_unequal": 0.93, "gap_ms": 10},
+            "goodput": rows,
+            "failover": failover,
+            "iperf3_tcp_one_plane": tcp,
+            "iperf3_tcp_plane_fails": tcp_fail,
+        },
+    )
+    plot(rows, failover, tcp, tcp_fail)
+    click.echo(f"wrote {out}")
+
+
+def plot(rows: list[dict], fo: dict, tcp: dict, tcp_fail: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    x = np.arange(len(rows))
+    a1.bar(
+        x - 0.2, [r["capacity_gbps"] for r in rows], 0.4, label="sum of plane rates", color="#bbb"
+    )
+    a1.bar(x + 0.2, [r["goodput_gbps"] for r in rows], 0.4, label="mrc WRITE goodput")
+    a1.bar([len(rows) + 0.2], [tcp["avg_gbps"]], 0.4, label="iperf3 TCP, one plane")
+    a1.bar([len(rows) - 0.2], [1.0], 0.4, color="#bbb")
+    for xi, r in zip(x, rows, strict=True):
+        a1.text(xi + 0.2, r["goodput_gbps"] + 0.05, f"{r['ratio']:.2f}", ha="center")
+    a1.set_xticks(list(x) + [len(rows)], [r["case"] for r in rows] + ["1 Gb/s, TCP"], fontsize=8)
+    a1.set_ylabel("Gbit/s")
+    a1.legend(fontsize=8)
+    a1.set_title("Goodput on the shaped fabric")
+    bins = np.asarray(fo["bins_gbps"])
+    t = np.arange(len(bins)) / 1000
+    a2.plot(t, bins, lw=0.6, label="mrc, 1 ms bins")
+    a2.axvline(fo["fail_at_s"], color="red", ls="--", label="plane 1 fails")
+    a2.axhline(1.5, color="gray", ls=":", label="50% of remaining 3 Gb/s")
+    if tcp_fail["series"]:
+        ts, gs = zip(*tcp_fail["series"], strict=True)
+        shift = fo["fail_at_s"] - tcp_fail["fail_after_s"]
+        a2.step(
+            np.asarray(ts) + shift,
+            gs,
+            where="post",
+            color="green",
+            label="iperf3 TCP on plane 1 (aligned)",
+        )
+    a2.set_xlabel("seconds")
+    a2.set_ylabel("Gbit/s")
+    a2.set_title(f"Failover: gap {fo['gap_ms']} ms")
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "multipath_fabric.png", dpi=100)
+
+
+if __name__ == "__main__":
+    main()
