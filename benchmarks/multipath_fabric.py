@@ -209,9 +209,9 @@ def iperf3_tcp(seconds: float, fail_after: float | None) -> dict[str, Any]:
         (iv["sum"]["start"], iv["sum"]["bits_per_second"] / 1e9) for iv in res.get("intervals", [])
     ]
     avg = res.get("end", {}).get("sum_received", {}).get("bits_per_second", 0) / 1e9
+    when = f" (fails at {fail_after:.1f} s)" if fail_after else ""
     click.echo(
-        f"iperf3 TCP plane 1{' (fails at %.1f s)' % fail_after if fail_after else ''}: "
-        f"{avg:.3f} Gb/s average, took {time.monotonic() - t0:.1f} s"
+        f"iperf3 TCP plane 1{when}: {avg:.3f} Gb/s average, took {time.monotonic() - t0:.1f} s"
     )
     return {"avg_gbps": round(avg, 3), "series": series, "fail_after_s": fail_after}
 
