@@ -258,7 +258,7 @@ cdef class Endpoint:
                 })
             return {
                 "tx_pkts": st.tx_pkts, "rx_pkts": st.rx_pkts, "tx_bytes": st.tx_bytes,
-                "rx_bytes": st.rx_bytes, "retx": st.retx, "acks_tx": st.acks_tx,
+                "rx_bytes": st.rx_bytes, "acked_bytes": st.acked_bytes, "retx": st.retx, "acks_tx": st.acks_tx,
                 "acks_rx": st.acks_rx, "lost_rack": st.lost_rack, "lost_rto": st.lost_rto,
                 "lost_flush": st.lost_flush, "probe_timeouts": st.probe_timeouts,
                 "link_events": st.link_events,

@@ -36,6 +36,7 @@
 /* Timing policy (ns). */
 #define MRC_TIMER_NS 250000ull          /* timer scan period */
 #define MRC_MIN_RTO_NS 5000000ull       /* floor of a path's retransmit timeout */
+#define MRC_MIN_QUICK_RTO_NS 1000000ull /* floor while other paths deliver */
 #define MRC_PROBE_INTERVAL_NS 5000000ull /* failed/probing paths are probed this often */
 #define MRC_KEEPALIVE_NS 50000000ull    /* idle paths of a busy connection */
 #define MRC_PROBES_TO_GOOD 3            /* consecutive probe answers that heal a path */
@@ -180,6 +181,7 @@ struct mrc_conn {
     uint32_t rtx_head, rtx_count;
     int rr;
     uint64_t last_progress_ns;
+    uint64_t last_acked_ns;    /* when some packet was last newly acknowledged */
     uint64_t all_failed_since; /* 0 while some path is not failed */
 
     /* receive */
@@ -324,6 +326,7 @@ void path_on_loss_pt(mrc_conn *c, struct path *p, bool timeout, uint64_t now);
 void path_on_probe_ack_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t now);
 void path_timers_pt(mrc_conn *c, uint64_t now, bool busy);
 uint64_t path_rto(const struct path *p);
+uint64_t path_quick_rto(const struct path *p);
 int path_send_ctrl_pt(mrc_conn *c, struct path *p, int id, int type, uint32_t psn,
                       uint64_t ts);
 void path_init(struct path *p, uint32_t mss);

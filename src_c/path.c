@@ -56,6 +56,17 @@ uint64_t path_rto(const struct path *p)
     return rto > MRC_MIN_RTO_NS ? rto : MRC_MIN_RTO_NS;
 }
 
+/* The timeout for a path that stays silent while the connection's other paths
+ * deliver: then silence is not the peer being slow but this path being gone,
+ * and waiting out the full RTO floor only stretches the failover gap. */
+uint64_t path_quick_rto(const struct path *p)
+{
+    if (!p->srtt)
+        return path_rto(p);
+    uint64_t rto = p->srtt + 4 * p->rttvar;
+    return rto > MRC_MIN_QUICK_RTO_NS ? rto : MRC_MIN_QUICK_RTO_NS;
+}
+
 static int path_class(const struct path *p)
 {
     switch (p->state) {

@@ -187,6 +187,8 @@ static void tx_ack_one_pt(mrc_conn *c, uint32_t psn, uint64_t now)
     if (!t->op || t->psn != psn || t->acked)
         return;
     t->acked = 1;
+    c->last_acked_ns = now;
+    c->ep->st.acked_bytes += t->len;
     struct path *p = conn_path(c, t->path);
     if (p) {
         if (!t->lost)
@@ -314,8 +316,12 @@ void tx_timers_pt(mrc_conn *c, uint64_t now)
         if (!t->op || t->acked || t->lost)
             continue;
         struct path *p = conn_path(c, t->path);
-        uint64_t rto = p ? path_rto(p) : 0;
-        if (!p || now - t->sent_ns < rto || now - p->last_rx_ns < rto)
+        if (!p)
+            continue;
+        /* Packets sent after this one were acknowledged on other paths: the
+         * connection is alive, so this path's silence counts sooner. */
+        uint64_t rto = c->last_acked_ns > t->sent_ns ? path_quick_rto(p) : path_rto(p);
+        if (now - t->sent_ns < rto || now - p->last_rx_ns < rto)
             continue;
         c->ep->st.lost_rto++;
         tx_lose_pt(c, t, now);

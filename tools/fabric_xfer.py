@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -137,7 +138,18 @@ def client(
     offsets = list(range(0, size, chunk))
     pending: list[tuple[int, mrc.Operation]] = []
     done_bytes, next_report, times = 0, progress * size, []
+    samples: list[tuple[float, int]] = []
+    sampling = threading.Event()
+
+    def sample() -> None:
+        # Goodput as the transport sees it: bytes acknowledged, every millisecond.
+        while not sampling.wait(0.001):
+            samples.append((time.monotonic() - start, fe.endpoint.stats()["acked_bytes"]))
+
+    sampler = threading.Thread(target=sample, daemon=True)
     start = time.monotonic()
+    if timeline:
+        sampler.start()
 
     def post(off: int) -> mrc.Operation:
         n = min(chunk, size - off)
@@ -160,6 +172,9 @@ def client(
         done_bytes += op.length
         times.append(time.monotonic() - start)
     elapsed = time.monotonic() - start
+    sampling.set()
+    if timeline:
+        sampler.join()
     conn.send(fe.endpoint.register(np.zeros(8, np.uint8)), tag=DONE_TAG).wait(timeout=30)
     out: dict[str, Any] = {
         "event": "done",
@@ -173,6 +188,7 @@ def client(
         out["t0"] = start  # CLOCK_MONOTONIC: comparable across namespaces of one host
         out["times"] = times
         out["chunk"] = chunk
+        out["acked"] = samples
     emit(**out)
     fe.close()
 

@@ -206,6 +206,7 @@ struct mrc_path_stats {
 struct mrc_ep_stats {
     uint64_t drops[MRC_DROP_MAX];
     uint64_t tx_pkts, rx_pkts, tx_bytes, rx_bytes, retx, acks_tx, acks_rx;
+    uint64_t acked_bytes;    /* payload bytes newly acknowledged: goodput */
     uint64_t lost_rack;      /* declared lost: a later packet on its path arrived */
     uint64_t lost_rto;       /* declared lost: retransmission timeout */
     uint64_t lost_flush;     /* declared lost: its path failed or timed out */
