@@ -42,24 +42,22 @@ def path_table(stats: dict[str, Any], title: str) -> Table:
     for col in (
         "path",
         "plane",
-        "dst",
         "via",
         "state",
         "packets",
-        "retransmits",
+        "retx",
         "lost",
         "RTT us",
         "share",
     ):
-        t.add_column(col, justify="right" if col not in ("dst", "state", "via") else "left")
+        t.add_column(col, justify="right" if col not in ("state", "via") else "left")
     total = sum(p["tx_bytes"] for p in stats["paths"]) or 1
     for p in stats["paths"]:
         style = {"good": "green", "failed": "red"}.get(p["state"], "yellow")
         t.add_row(
             str(p["path"]),
             str(p["plane"]),
-            p["dst"],
-            p.get("via", "-"),
+            p.get("via", p["dst"]),
             f"[{style}]{p['state']}[/]",
             str(p["tx_pkts"]),
             str(p["retx"]),
