@@ -37,6 +37,7 @@ class Endpoint:
         timeout: float = ...,
         window: int = ...,
         sockbuf: int = ...,
+        max_unexpected: int = ...,
     ) -> None: ...
     def listen(self, port: int = ..., addr: str | None = ...) -> int: ...
     def connect(

@@ -112,7 +112,8 @@ cdef class Endpoint:
         self._children = weakref.WeakSet()
 
     def __init__(self, planes=("127.0.0.1",), *, int port=0, int mss=8192,
-                 double timeout=5.0, int window=4096, int sockbuf=8 << 20):
+                 double timeout=5.0, int window=4096, int sockbuf=8 << 20,
+                 uint64_t max_unexpected=64 << 20):
         cdef c.mrc_ep_config cfg
         planes = [planes] if isinstance(planes, str) else list(planes)
         if not 1 <= len(planes) <= c.MRC_MAX_PLANES:
@@ -135,6 +136,7 @@ cdef class Endpoint:
         cfg.timeout_ms = <uint32_t>(timeout * 1000)
         cfg.window = window
         cfg.sockbuf = sockbuf
+        cfg.max_unexpected = max_unexpected
         cdef int rc
         with nogil:
             rc = c.mrc_ep_create(&cfg, &self.ep)
@@ -258,7 +260,8 @@ cdef class Endpoint:
                 })
             return {
                 "tx_pkts": st.tx_pkts, "rx_pkts": st.rx_pkts, "tx_bytes": st.tx_bytes,
-                "rx_bytes": st.rx_bytes, "acked_bytes": st.acked_bytes, "retx": st.retx, "acks_tx": st.acks_tx,
+                "rx_bytes": st.rx_bytes, "acked_bytes": st.acked_bytes,
+                "rnr_naks": st.rnr_naks, "staged_bytes": st.staged_bytes, "retx": st.retx, "acks_tx": st.acks_tx,
                 "acks_rx": st.acks_rx, "lost_rack": st.lost_rack, "lost_rto": st.lost_rto,
                 "lost_flush": st.lost_flush, "probe_timeouts": st.probe_timeouts,
                 "link_events": st.link_events,

@@ -48,6 +48,7 @@ cdef extern from "mrc.h" nogil:
         uint32_t timeout_ms
         uint32_t sockbuf
         uint32_t window
+        uint64_t max_unexpected
 
     void mrc_ep_config_init(mrc_ep_config *cfg)
     int mrc_ep_create(const mrc_ep_config *cfg, mrc_ep **out)
@@ -110,7 +111,7 @@ cdef extern from "mrc.h" nogil:
     struct mrc_ep_stats:
         uint64_t drops[32]
         uint64_t tx_pkts, rx_pkts, tx_bytes, rx_bytes, retx, acks_tx, acks_rx
-        uint64_t acked_bytes
+        uint64_t acked_bytes, rnr_naks, staged_bytes
         uint64_t lost_rack, lost_rto, lost_flush, probe_timeouts, link_events
         uint64_t loop_iters
         int nconns

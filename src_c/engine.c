@@ -109,11 +109,13 @@ static void stats_pt(mrc_ep *ep, struct ctl *x)
     struct mrc_path_stats *ps = x->arg2;
     *st = ep->st;
     st->nconns = 0;
+    st->staged_bytes = 0;
     st->npaths = 0;
     for (uint32_t s = 1; s < MRC_SLOTS; s++) {
         mrc_conn *c = ep->conns[s];
         if (!c)
             continue;
+        st->staged_bytes += c->staged_bytes;
         for (int i = 0; i < c->npaths && ps && st->npaths < x->iarg; i++) {
             struct path *p = &c->paths[i];
             struct mrc_path_stats *o = &ps[st->npaths++];

@@ -152,6 +152,8 @@ int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out)
         ep->cfg.sockbuf = 8u << 20;
     if (!ep->cfg.window)
         ep->cfg.window = 4096;
+    if (!ep->cfg.max_unexpected)
+        ep->cfg.max_unexpected = 64ull << 20;
     ep->nplanes = cfg->nplanes;
     ep->epfd = ep->evfd = ep->listen_fd = ep->nl_fd = -1;
     ep->rng = rand_u64() | 1;

@@ -182,6 +182,7 @@ struct mrc_conn {
     int rr;
     uint64_t last_progress_ns;
     uint64_t last_acked_ns;    /* when some packet was last newly acknowledged */
+    uint64_t rnr_until, rnr_backoff; /* receiver not ready: no sending before rnr_until */
     uint64_t all_failed_since; /* 0 while some path is not failed */
 
     /* receive */
@@ -341,7 +342,8 @@ void link_poll_pt(mrc_ep *ep);
 /* engine.c */
 void *engine_main(void *arg);
 
-#define MRC_MAX_STAGED (1ull << 30) /* unmatched SEND bytes held per connection */
+#define MRC_RNR_MIN_NS 1000000ull    /* first back-off after a receiver-not-ready */
+#define MRC_RNR_MAX_NS 64000000ull   /* back-off doubles up to this */
 #define MRC_PKT_OVERHEAD 64         /* bytes a packet costs in a window beyond payload */
 
 static inline struct path *conn_path(mrc_conn *c, unsigned id)

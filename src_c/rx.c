@@ -225,10 +225,6 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
         }
         dst = mr->addr + d->offset;
     } else {
-        if (!m->used && d->msg_len > MRC_MAX_STAGED) {
-            DROP(ep, BAD_MSG);
-            return;
-        }
         if (!m->used) {
             m->msn = d->msn;
             m->type = h->type;
@@ -238,11 +234,16 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
             m->recv = rx_bind_recv(c, m);
         }
         if (!m->recv && !m->stage) {
-            if (c->staged_bytes + d->msg_len > MRC_MAX_STAGED ||
+            /* No RECV to place it in and no room to hold it: tell the sender to
+             * back off and try again (RDMA's receiver-not-ready), so that a
+             * receiver that stops posting RECVs holds at most max_unexpected
+             * bytes per connection and the sender waits instead of failing. */
+            if (c->staged_bytes + d->msg_len > ep->cfg.max_unexpected ||
                 !(m->stage = malloc(d->msg_len ? d->msg_len : 1))) {
                 if (!m->used)
                     memset(m, 0, sizeof(*m));
-                DROP(ep, NO_BUFFER); /* unacked: the sender will try again */
+                DROP(ep, NO_BUFFER);
+                send_nak(c, h->path, h->psn, d->msn, MRC_NAK_RNR);
                 return;
             }
             c->staged_bytes += d->msg_len;

@@ -118,6 +118,8 @@ bool tx_run_pt(mrc_conn *c)
     if (!c->rtx_count && !c->seg_op)
         return false;
     uint64_t now = now_ns();
+    if (now < c->rnr_until)
+        return false; /* the receiver asked us to wait */
     bool sent = tx_retransmit_pt(c, now);
     if (c->rtx_count)
         return sent; /* losses first: new data waits behind them */
@@ -188,6 +190,7 @@ static void tx_ack_one_pt(mrc_conn *c, uint32_t psn, uint64_t now)
         return;
     t->acked = 1;
     c->last_acked_ns = now;
+    c->rnr_backoff = 0;
     c->ep->st.acked_bytes += t->len;
     struct path *p = conn_path(c, t->path);
     if (p) {
@@ -286,15 +289,42 @@ void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
     }
 }
 
-/* The peer refused a packet (bad key or bounds): RDMA's remote access error.
- * The operation fails with the reason and the connection goes to error, as
- * an RC queue pair does; the peer is told with a CLOSE. */
+/* Receiver not ready: the packet goes again after a back-off that doubles
+ * while the receiver stays full. Not a loss: no path is blamed, and the
+ * connection counts as alive (the peer answered). */
+static void tx_on_rnr_pt(mrc_conn *c, struct tx_pkt *t, uint64_t now)
+{
+    c->ep->st.rnr_naks++;
+    c->last_progress_ns = now;
+    c->rnr_backoff = c->rnr_backoff ? c->rnr_backoff * 2 : MRC_RNR_MIN_NS;
+    if (c->rnr_backoff > MRC_RNR_MAX_NS)
+        c->rnr_backoff = MRC_RNR_MAX_NS;
+    if (c->rnr_until < now + c->rnr_backoff)
+        c->rnr_until = now + c->rnr_backoff;
+    if (t->lost)
+        return;
+    struct path *p = conn_path(c, t->path);
+    if (p)
+        p->inflight -= t->len + MRC_PKT_OVERHEAD;
+    t->lost = 1;
+    c->rtxq[(c->rtx_head + c->rtx_count) & c->wmask] = t->psn;
+    c->rtx_count++;
+}
+
+/* The peer refused a packet. Receiver not ready: back off and retry. Bad key
+ * or bounds: RDMA's remote access error: the operation fails with the reason
+ * and the connection goes to error, as an RC queue pair does; the peer is
+ * told with a CLOSE. */
 void tx_on_nak_pt(mrc_conn *c, const struct mrc_hdr *h, const struct mrc_nak_ext *n)
 {
     struct tx_pkt *t = tx_slot(c, h->psn);
     if (!t->op || t->psn != h->psn || t->acked || t->op->msn != n->msn ||
-        (n->code != MRC_NAK_KEY && n->code != MRC_NAK_BOUNDS)) {
+        (n->code != MRC_NAK_KEY && n->code != MRC_NAK_BOUNDS && n->code != MRC_NAK_RNR)) {
         DROP(c->ep, BAD_ACK);
+        return;
+    }
+    if (n->code == MRC_NAK_RNR) {
+        tx_on_rnr_pt(c, t, now_ns());
         return;
     }
     mrc_op *op = t->op;

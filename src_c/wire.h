@@ -91,7 +91,11 @@ struct mrc_nak_ext {
 };
 static_assert(sizeof(struct mrc_nak_ext) == 8, "nak extension is 8 bytes");
 
-enum { MRC_NAK_KEY = 1, MRC_NAK_BOUNDS = 2 };
+enum {
+    MRC_NAK_KEY = 1,    /* unknown key or region not remotely writable: fatal */
+    MRC_NAK_BOUNDS = 2, /* outside the region: fatal */
+    MRC_NAK_RNR = 3,    /* receiver not ready: no RECV and no staging room; retry later */
+};
 
 #define MRC_DATA_HDR_LEN (sizeof(struct mrc_hdr) + sizeof(struct mrc_data_ext))
 #define MRC_ACK_LEN (sizeof(struct mrc_hdr) + sizeof(struct mrc_ack_ext))

@@ -392,3 +392,30 @@ def test_repr_and_context_managers() -> None:
 def test_env_var_is_documented() -> None:
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     assert "MRC_LOSS" in readme
+
+
+def test_receiver_that_stops_reading_makes_the_sender_wait() -> None:
+    """No RECVs posted: the receiver holds at most max_unexpected bytes, tells the sender
+    to back off (receiver not ready), the sender waits instead of failing, and every
+    byte arrives once RECVs are posted."""
+    limit, msg, n = 8 << 20, 2 << 20, 24  # 48 MiB sent against an 8 MiB allowance
+    with connected_pair(4, max_unexpected=limit, timeout=1.0) as p:
+        src, dst = pattern(msg * n, 11), np.zeros(msg * n, np.uint8)
+        ms, md = p.a.register(src), p.b.register(dst)
+        sends = [p.ca.send(ms, offset=i * msg, length=msg, tag=3) for i in range(n)]
+        deadline = time.monotonic() + 10
+        while p.a.stats()["rnr_naks"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling an external observation: the sender's counter
+        assert p.a.stats()["rnr_naks"] > 0
+        # Well past the 1 s timeout: the sender is still waiting, not failed, and the
+        # receiver's memory stayed within its allowance.
+        with pytest.raises(mrc.TimeoutError, match="still pending"):
+            sends[-1].wait(timeout=2.0)
+        assert p.ca.error is None
+        assert p.b.stats()["staged_bytes"] <= limit
+        assert p.b.stats()["drops"]["no_buffer"] > 0
+        recvs = [p.cb.recv(md, offset=i * msg, length=msg, tag=3) for i in range(n)]
+        for op in sends + recvs:
+            op.wait(timeout=60)
+        assert sha(dst) == sha(src)
+        assert p.b.stats()["staged_bytes"] == 0

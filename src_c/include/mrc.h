@@ -64,6 +64,9 @@ struct mrc_ep_config {
     uint32_t timeout_ms;   /* connection fails after this long without progress; 0: 5000 */
     uint32_t sockbuf;      /* SO_RCVBUF/SO_SNDBUF bytes; 0: 8 MiB */
     uint32_t window;       /* packets in flight per connection (power of 2); 0: 4096 */
+    uint64_t max_unexpected; /* SEND bytes held per connection for RECVs not yet
+                              * posted; beyond it the sender is told to back off
+                              * (receiver not ready); 0: 64 MiB */
 };
 
 void mrc_ep_config_init(struct mrc_ep_config *cfg);
@@ -207,6 +210,8 @@ struct mrc_ep_stats {
     uint64_t drops[MRC_DROP_MAX];
     uint64_t tx_pkts, rx_pkts, tx_bytes, rx_bytes, retx, acks_tx, acks_rx;
     uint64_t acked_bytes;    /* payload bytes newly acknowledged: goodput */
+    uint64_t rnr_naks;       /* receiver-not-ready answers received (sender backed off) */
+    uint64_t staged_bytes;   /* SEND bytes held here waiting for a RECV, all connections */
     uint64_t lost_rack;      /* declared lost: a later packet on its path arrived */
     uint64_t lost_rto;       /* declared lost: retransmission timeout */
     uint64_t lost_flush;     /* declared lost: its path failed or timed out */
