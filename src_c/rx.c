@@ -82,14 +82,16 @@ static void recv_complete(mrc_conn *c, mrc_op *r, const uint8_t *data, uint64_t 
 }
 
 /*
- * A SEND may be placed straight into a posted RECV only if matching it now
- * gives the same answer as matching in message order would: no earlier
- * message is waiting for a RECV, and every earlier message is known and not
- * staged.
+ * Matching invariant: no message on the unexpected list matches any posted
+ * RECV (a RECV is matched against that list when posted, and a message
+ * against the posted RECVs when delivered). So only undelivered messages can
+ * change an answer: a SEND may be placed straight into a posted RECV only if
+ * matching it now gives the same answer as matching in message order would,
+ * i.e. every earlier message is known and none of them is staged.
  */
 static mrc_op *rx_bind_recv(mrc_conn *c, struct rx_msg *m)
 {
-    if (c->staging || c->unexp_head)
+    if (c->staging)
         return NULL;
     for (uint32_t msn = c->rx_deliver_msn; msn != m->msn; msn++) {
         struct rx_msg *e = &c->msgs[msn % MRC_MSGW];
@@ -132,10 +134,9 @@ static void rx_deliver_pt(mrc_conn *c)
             recv_complete(c, m->recv, NULL, m->msg_len, m->key);
         } else if (m->type == MRC_PKT_SEND) {
             c->staging--;
-            mrc_op *r = NULL;
-            if (!c->unexp_head)
-                for (r = c->recvq_head; r && !tag_match(r->tag, m->key); r = r->next) {
-                }
+            mrc_op *r = c->recvq_head;
+            while (r && !tag_match(r->tag, m->key))
+                r = r->next;
             if (r) {
                 recvq_unlink(c, r);
                 recv_complete(c, r, m->stage, m->msg_len, m->key);

@@ -419,3 +419,23 @@ def test_receiver_that_stops_reading_makes_the_sender_wait() -> None:
             op.wait(timeout=60)
         assert sha(dst) == sha(src)
         assert p.b.stats()["staged_bytes"] == 0
+
+
+def test_recv_posted_while_other_tags_wait_unmatched() -> None:
+    """Regression: a message delivered while unexpected messages of *other* tags were
+    waiting went to the unexpected list although its RECV was already posted, and the
+    two never met (found by mrc-perf's control channel)."""
+    with connected_pair(2) as p:
+        src = pattern(3 * 64, 12)
+        dst = np.zeros(3 * 64, np.uint8)
+        ms, md = p.a.register(src), p.b.register(dst)
+        ctrl = p.cb.recv(md, offset=0, length=64, tag=1)  # posted first
+        p.ca.send(ms, offset=64, length=64, tag=2).wait(timeout=10)  # nobody wants tag 2 yet
+        deadline = time.monotonic() + 10
+        while p.b.stats()["staged_bytes"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the tag-2 message waits on the unexpected list
+        p.ca.send(ms, offset=0, length=64, tag=1).wait(timeout=10)
+        assert ctrl.wait(timeout=10).tag == 1
+        late = p.cb.recv(md, offset=64, length=64, tag=2).wait(timeout=10)
+        assert late.tag == 2
+        assert sha(dst[:128]) == sha(src[:128])
