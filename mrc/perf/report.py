@@ -125,7 +125,7 @@ def timeline_table(
     pending = sorted(events)
     for (t0, b0), (t1, b1) in zip(samples, samples[1:], strict=False):
         dt = t1 - t0
-        if dt <= 0:
+        if dt < 0.05:  # the closing sample right after the last periodic one
             continue
         rates = [(b1[i] - b0[i]) * 8 / dt / 1e9 for i in range(nplanes)]
         cells = "".join(f"{r:>7.2f}  " for r in rates)
@@ -141,6 +141,7 @@ def failover_summary(
     paths: list[dict[str, Any]],
     failed_planes: Sequence[int],
     local_planes: Sequence[tuple[str, int]],
+    verified: bool | None = None,
 ) -> str:
     """Plain words for what a failed plane did to the run."""
     out = []
@@ -153,8 +154,12 @@ def failover_summary(
         out.append(
             f" Plane {plane} ({addr}) was taken down during the run: its path is now {states};"
             f" traffic continued on plane(s) {', '.join(map(str, others)) or 'none'}"
-            f" ({retx} packets retransmitted on other paths, nothing lost)."
+            f" ({retx} packets retransmitted on other paths)."
         )
+    if verified:
+        out.append(" Every byte arrived intact (--verify PASS).")
+    elif verified is False:
+        out.append(" Data differed at the two ends (--verify FAIL).")
     return "\n".join(out)
 
 

@@ -273,7 +273,9 @@ class Session:
                 self.print(tl)
         if self.opts.fail_plane and obs is not None:
             self.print(
-                report.failover_summary(paths, [p for p, _ in self.opts.fail_plane], self.ep.planes)
+                report.failover_summary(
+                    paths, [p for p, _ in self.opts.fail_plane], self.ep.planes, self.verify_ok
+                )
             )
         if self.opts.out_json or self.opts.out_json_file:
             data = {
