@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import sys
 import threading
 import time
 from collections import deque
@@ -75,7 +74,7 @@ def make_buffer(nbytes: int, pattern: bool) -> np.ndarray:
 
 
 def digest(buf: np.ndarray, nbytes: int) -> str:
-    return hashlib.sha256(memoryview(buf[:nbytes])).hexdigest()
+    return hashlib.sha256(buf[:nbytes].tobytes()).hexdigest()
 
 
 def op_timeout(opts: PerfOptions) -> float:
@@ -531,6 +530,7 @@ def _client(s: Session) -> int:
     progress = report.ProgressLine(not opts.quiet, opts.test)
     try:
         for step, size in enumerate(opts.sizes()):
+            res: BwResult | LatResult
             if opts.is_bw:
                 res, sent = _bw_client(s, step, size, smr, remote, progress)
                 used = min(slots(opts, size), sum(sent)) * size
@@ -699,7 +699,3 @@ def run_local(opts: PerfOptions, nplanes: int, out: TextIO) -> int:
         err = box["error"]
         raise PerfError(f"local server: {err}") if not isinstance(err, PerfError) else err
     return rc
-
-
-def stderr(msg: str) -> None:
-    sys.stderr.write(msg + "\n")
