@@ -4,7 +4,9 @@ from what they print, --verify, --out_json, option mismatches, failover, bad inp
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from mrc.perf.stats import bw_result, lat_result, percentile
 
 CLI = [sys.executable, "-m", "mrc.perf.cli"]
 TIMEOUT = 30
+ENV = {**os.environ, "PYTHONFAULTHANDLER": "1"}
 BW_COLS = ["bytes", "iterations", "bw_peak", "bw_avg", "msg_rate_mpps"]
 LAT_COLS = ["bytes", "iterations", "t_min", "t_max", "t_typical", "t_avg", "t_stdev", "p99", "p999"]
 
@@ -51,12 +54,7 @@ def json_after_table(out: str) -> dict:
 
 def start_server(args: list[str]) -> tuple[subprocess.Popen[str], int]:
     """Start a server on an ephemeral port; return it once it says it is listening."""
-    proc = subprocess.Popen(
-        [*CLI, *args, "-p", "0", "--quiet"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = popen([*args, "-p", "0", "--quiet"])
     assert proc.stdout is not None
     seen = []
     deadline = time.monotonic() + TIMEOUT
@@ -76,14 +74,22 @@ def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
     try:
         out, err = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        proc.send_signal(signal.SIGABRT)  # faulthandler (ENV) prints every thread's stack
         out, err = proc.communicate()
-        raise AssertionError(f"hung: {out} {err}") from None
+        raise AssertionError(f"hung:\n{out}\n{err}") from None
     return proc.returncode, out, err
 
 
+def popen(args: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+    )
+
+
 def run(args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=TIMEOUT)
+    proc = popen(args)
+    rc, out, err = finish(proc)
+    return subprocess.CompletedProcess(proc.args, rc, out, err)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -91,12 +97,7 @@ def test_mode_end_to_end(mode: str, tmp_path: Path) -> None:
     opts = [mode, *MODES[mode], "--verify", "--report_gbits"]
     server, port = start_server([*opts, "--out_json"])
     json_file = tmp_path / "client.json"
-    client = subprocess.Popen(
-        [*CLI, *opts, "-p", str(port), "--out_json_file", str(json_file), "127.0.0.1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    client = popen([*opts, "-p", str(port), "--out_json_file", str(json_file), "127.0.0.1"])
     crc, cout, cerr = finish(client)
     src, sout, serr = finish(server)
     assert (crc, src) == (0, 0), (cout, cerr, sout, serr)
