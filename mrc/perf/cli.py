@@ -118,9 +118,9 @@ def common_options(f: F) -> F:
         click.option(
             "--mss",
             type=click.IntRange(64, 65000),
-            default=32768,
-            show_default=True,
-            help="mrc segment size in bytes (larger is faster on loopback).",
+            default=None,
+            help="mrc payload bytes per packet [default: 32768 on loopback, 8192 with "
+            "--fabric or --planes, to fit a 9000-byte MTU with an SRv6 header].",
         ),
         click.option(
             "--timeout",
@@ -235,7 +235,7 @@ def _run(test: str, **kw: Any) -> None:
         qps=kw["qps"],
         tx_depth=kw["tx_depth"],
         port=kw["port"],
-        mss=kw["mss"],
+        mss=kw["mss"] or (8192 if kw["fabric"] or kw["planes"] else 32768),
         timeout=kw["timeout"],
         planes=planes,
         server=server,
