@@ -10,7 +10,10 @@ client {"event": "progress", ...} every `--progress` fraction, and both end with
 {"event": "done", "sha256": ..., "stats": ...}. The client's data is a seeded
 pattern; the server hashes what landed, so equal hashes mean byte-exact delivery.
 WRITE mode: `--chunk`-sized writes, `--depth` in flight, into one region. SEND mode:
-a stream of `--chunk`-sized SENDs into RECVs posted ahead.
+a stream of `--chunk`-sized SENDs into RECVs posted ahead. STREAM mode (soaks of any
+size in bounded memory): chunk i is a SEND with tag i, drawn from 32 distinct source
+chunks; the server receives into a ring of buffers, posting the RECV for tag i itself
+(so order is checked too), and both sides hash the stream as it goes.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def common(f: Any) -> Any:
         click.option("--host", required=True, help="This host's name in the fabric."),
         click.option("--port", default=0, help="TCP port of the connection hello."),
         click.option("--size", default=1 << 30, help="Bytes to transfer."),
-        click.option("--mode", type=click.Choice(["write", "send"]), default="write"),
+        click.option("--mode", type=click.Choice(["write", "send", "stream"]), default="write"),
         click.option("--chunk", default=4 << 20, help="Bytes per operation."),
         click.option("--timeout", default=5.0, help="Endpoint timeout, seconds."),
         click.option("--stats-socket", default=None, help="Serve stats here (mrc-route live)."),
@@ -86,6 +89,11 @@ def server(
         fe.endpoint.serve_stats(stats_socket)
     emit(event="listening", port=fe.listen(port))
     conn = fe.accept(timeout=60)
+    if mode == "stream":
+        stream_server(fe, conn, size, chunk)
+        return
+    done = np.zeros(8, np.uint8)
+    done_op = conn.recv(fe.endpoint.register(done), tag=DONE_TAG)  # before the peer can close
     buf = np.zeros(size, np.uint8)
     region = fe.endpoint.register(buf)
     desc = np.frombuffer(region.descriptor().pack(), np.uint8).copy()
@@ -96,11 +104,38 @@ def server(
             conn.recv(region, offset=off, length=min(chunk, size - off), tag=1)
             for off in range(0, size, chunk)
         ]
-    done = np.zeros(8, np.uint8)
-    conn.recv(fe.endpoint.register(done), tag=DONE_TAG).wait(timeout=None)
+    done_op.wait(timeout=None)
     for r in recvs:
         r.wait(timeout=60)
     emit(event="done", sha256=hashlib.sha256(buf).hexdigest(), stats=fe.endpoint.stats())
+    fe.close()
+
+
+RING = 64  # stream mode: receive buffers on the server
+SOURCES = 32  # stream mode: distinct source chunks on the client
+
+
+def stream_server(fe: Any, conn: mrc.Connection, size: int, chunk: int) -> None:
+    nchunks = -(-size // chunk)
+    ring = np.zeros(RING * chunk, np.uint8)
+    region = fe.endpoint.register(ring)
+    h = hashlib.sha256()
+
+    def post(i: int) -> mrc.Operation:
+        n = min(chunk, size - i * chunk)
+        return conn.recv(region, offset=(i % RING) * chunk, length=n, tag=i + 1)
+
+    done = np.zeros(8, np.uint8)
+    done_op = conn.recv(fe.endpoint.register(done), tag=DONE_TAG)  # before the peer can close
+    pending = [post(i) for i in range(min(RING, nchunks))]
+    for i in range(nchunks):
+        op = pending[i % RING].wait(timeout=None)
+        slot = (i % RING) * chunk
+        h.update(ring[slot : slot + op.nbytes])
+        if i + RING < nchunks:
+            pending[i % RING] = post(i + RING)
+    done_op.wait(timeout=None)
+    emit(event="done", sha256=h.hexdigest(), stats=fe.endpoint.stats())
     fe.close()
 
 
@@ -130,10 +165,16 @@ def client(
     if stats_socket:
         fe.endpoint.serve_stats(stats_socket)
     conn = fe.connect(peer, port, timeout=30)
-    desc = np.zeros(16, np.uint8)
-    conn.recv(fe.endpoint.register(desc), tag=DESC_TAG).wait(timeout=30)
-    remote = mrc.RemoteRegion.unpack(desc.tobytes())
-    src = data(size, seed)
+    remote = None
+    if mode != "stream":
+        desc = np.zeros(16, np.uint8)
+        conn.recv(fe.endpoint.register(desc), tag=DESC_TAG).wait(timeout=30)
+        remote = mrc.RemoteRegion.unpack(desc.tobytes())
+    if mode == "stream":
+        src = np.concatenate([data(chunk, seed + k) for k in range(SOURCES)])
+        stream_hash = hashlib.sha256()
+    else:
+        src = data(size, seed)
     local = fe.endpoint.register(src, remote_write=False)
     offsets = list(range(0, size, chunk))
     pending: list[tuple[int, mrc.Operation]] = []
@@ -153,7 +194,13 @@ def client(
 
     def post(off: int) -> mrc.Operation:
         n = min(chunk, size - off)
+        if mode == "stream":
+            i = off // chunk
+            at = (i % SOURCES) * chunk
+            stream_hash.update(src[at : at + n])
+            return conn.send(local, offset=at, length=n, tag=i + 1)
         if mode == "write":
+            assert remote is not None
             return conn.write(local, remote, offset=off, length=n, remote_offset=off)
         return conn.send(local, offset=off, length=n, tag=1)
 
@@ -178,7 +225,7 @@ def client(
     conn.send(fe.endpoint.register(np.zeros(8, np.uint8)), tag=DONE_TAG).wait(timeout=30)
     out: dict[str, Any] = {
         "event": "done",
-        "sha256": hashlib.sha256(src).hexdigest(),
+        "sha256": (stream_hash if mode == "stream" else hashlib.sha256(src)).hexdigest(),
         "bytes": done_bytes,
         "elapsed": elapsed,
         "gbps": done_bytes * 8 / elapsed / 1e9,
