@@ -9,7 +9,7 @@ DEPS   := $(VENV)/.deps-stamp
 BUILT  := $(VENV)/.build-stamp
 PYDEPS := meson-python meson ninja Cython click rich numpy pytest ruff scapy pyroute2 matplotlib
 
-.PHONY: all build demo test test-py test-c asan lint sysdeps bench clean
+.PHONY: all build demo test test-py test-c asan fuzz-short lint sysdeps bench clean
 
 all: build
 
@@ -31,7 +31,7 @@ build: $(BUILT)
 	$(PY) -c "import mrc; print('mrc', mrc.__version__, 'built')"
 
 # System tools the namespace fabric, the tests and the benchmarks use.
-SYSTOOLS := ip:iproute2 nft:nftables iperf3:iperf3 tc:iproute2
+SYSTOOLS := ip:iproute2 nft:nftables iperf3:iperf3 tc:iproute2 clang:clang tcpdump:tcpdump
 sysdeps:
 	@missing=""; for t in $(SYSTOOLS); do cmd=$${t%%:*}; pkg=$${t##*:}; \
 	  command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
@@ -45,7 +45,7 @@ sysdeps:
 demo: build sysdeps
 	$(PY) tools/demo.py
 
-test: build sysdeps asan lint test-py
+test: build sysdeps asan fuzz-short lint test-py
 
 test-py: build
 	$(PY) -m pytest -q -ra tests
@@ -53,6 +53,10 @@ test-py: build
 # The C core on its own, under AddressSanitizer + UndefinedBehaviorSanitizer.
 asan:
 	$(MAKE) -C src_c asan-test
+
+# A short libFuzzer run on the receive path (20 s); `make -C src_c fuzz` runs longer.
+fuzz-short:
+	$(MAKE) -C src_c fuzz-short
 
 test-c:
 	$(MAKE) -C src_c test

@@ -238,9 +238,11 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
             /* No RECV to place it in and no room to hold it: tell the sender to
              * back off and try again (RDMA's receiver-not-ready), so that a
              * receiver that stops posting RECVs holds at most max_unexpected
-             * bytes per connection and the sender waits instead of failing. */
-            if (c->staged_bytes + d->msg_len > ep->cfg.max_unexpected ||
-                !(m->stage = malloc(d->msg_len ? d->msg_len : 1))) {
+             * bytes per connection and the sender waits instead of failing.
+             * Zeroed: a message delivered with holes (a peer that lies about
+             * FIRST/LAST) must not expose old heap contents. */
+            if (d->msg_len > ep->cfg.max_unexpected - c->staged_bytes || /* no overflow */
+                !(m->stage = calloc(1, d->msg_len ? d->msg_len : 1))) {
                 if (!m->used)
                     memset(m, 0, sizeof(*m));
                 DROP(ep, NO_BUFFER);
@@ -338,6 +340,14 @@ void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, ui
         path_on_probe_ack_pt(c, p, h->ts, now);
         break;
     case MRC_PKT_CLOSE:
+        /* The peer's next PSN: every PSN below it was sent, and it never has
+         * more than a window unacknowledged, so it lies in [rx_cum, rx_cum +
+         * window]. Anything else is forged (was: any CLOSE with the right
+         * connection id closed the connection). */
+        if (unlikely((uint32_t)psn_diff(h->psn, c->rx_cum) > c->window)) {
+            DROP(ep, PSN_WINDOW);
+            break;
+        }
         conn_fail_pt(c, MRC_ECLOSED, MRC_ECLOSED);
         break;
     }

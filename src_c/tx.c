@@ -278,7 +278,10 @@ void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
         to = c->highest_acked;
     for (uint32_t psn = from; psn_lt(psn, to); psn++) {
         struct tx_pkt *t = tx_slot(c, psn);
-        if (!t->op || t->acked || t->lost)
+        /* t->psn: a forged sack_base can put [from, to) outside [una,
+         * next_psn), where slots hold other PSNs that this ACK says nothing
+         * about (they were marked lost and their path blamed). */
+        if (!t->op || t->psn != psn || t->acked || t->lost)
             continue;
         struct path *q = conn_path(c, t->path);
         if (q && q->delivered_ts > t->sent_ns) {

@@ -1,0 +1,205 @@
+"""Scapy dissector for the mrc wire format (docs/wire.md, src_c/wire.h).
+
+Layers: ``MRC`` (the 24-byte common header) followed by ``MRCData`` (types WRITE
+and SEND, then ``len`` payload bytes as ``Raw``), ``MRCAck`` or ``MRCNak``, chosen
+by ``type``; PROBE, PROBE_ACK and CLOSE have no extension. All fields are
+little-endian.
+
+mrc has no fixed UDP port (one ephemeral port per plane by default), so there are
+two ways to get packets decoded:
+
+* ``bind_port(port)`` binds the layer to one UDP port (both directions);
+  ``DEFAULT_PORT`` (4793) is the one tools bind when told nothing else.
+* ``install_heuristic()`` makes every UDP payload that starts with the mrc magic
+  and version decode as ``MRC``, whatever the ports; ``decode(pkt)`` does the
+  same for one packet read before the hook was installed.
+
+Scapy is imported here only (it is a test/tool dependency, not a runtime one):
+importing ``mrc`` never imports scapy.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from scapy.fields import (
+    ByteEnumField,
+    ByteField,
+    FieldListField,
+    FlagsField,
+    LEIntField,
+    LELongField,
+    LEShortField,
+    XLELongField,
+    XLEShortField,
+)
+from scapy.layers.inet import UDP
+from scapy.packet import Packet, Raw, bind_layers
+
+__all__ = [
+    "DEFAULT_PORT",
+    "MAGIC",
+    "VERSION",
+    "MRC",
+    "MRCAck",
+    "MRCData",
+    "MRCNak",
+    "PKT_TYPES",
+    "bind_port",
+    "decode",
+    "install_heuristic",
+    "is_mrc",
+    "sack_psns",
+]
+
+DEFAULT_PORT = 4793
+MAGIC = 0x4D52
+VERSION = 1
+HDR_LEN = 24
+PKT_TYPES = {
+    1: "WRITE",
+    2: "SEND",
+    3: "ACK",
+    4: "NAK",
+    5: "PROBE",
+    6: "PROBE_ACK",
+    7: "CLOSE",
+}
+NAK_CODES = {1: "bad_key", 2: "bad_bounds"}
+
+
+class MRC(Packet):  # type: ignore[misc]
+    """Common header, 24 bytes."""
+
+    name = "MRC"
+    fields_desc = [
+        XLEShortField("magic", MAGIC),
+        ByteField("version", VERSION),
+        ByteEnumField("type", 1, PKT_TYPES),
+        FlagsField("flags", 0, 8, ["FIRST", "LAST", "IMM"]),
+        ByteField("path", 0),
+        LEShortField("len", None),
+        LEIntField("conn", 0),
+        LEIntField("psn", 0),
+        LELongField("ts", 0),
+    ]
+
+    def post_build(self, pkt: bytes, pay: bytes) -> bytes:
+        if self.len is None:
+            # payload bytes after the extension: only DATA carries any
+            ext = {1: 32, 2: 32, 3: 72, 4: 8}.get(self.type, 0)
+            n = max(len(pay) - ext, 0) if self.type in (1, 2) else 0
+            pkt = pkt[:6] + struct.pack("<H", n) + pkt[8:]
+        return pkt + pay
+
+    def guess_payload_class(self, payload: bytes) -> Any:
+        return {1: MRCData, 2: MRCData, 3: MRCAck, 4: MRCNak}.get(self.type, Raw)
+
+    def mysummary(self) -> str:
+        return self.sprintf("MRC %MRC.type% conn=%MRC.conn% path=%MRC.path% psn=%MRC.psn%")
+
+
+class MRCData(Packet):  # type: ignore[misc]
+    """DATA extension (WRITE, SEND), 32 bytes; the payload follows as Raw."""
+
+    name = "MRCData"
+    fields_desc = [
+        LEIntField("msn", 0),
+        LEIntField("imm", 0),
+        XLELongField("key", 0),
+        LELongField("offset", 0),
+        LELongField("msg_len", 0),
+    ]
+
+    def guess_payload_class(self, payload: bytes) -> Any:
+        return Raw
+
+
+class MRCAck(Packet):  # type: ignore[misc]
+    """ACK extension, 72 bytes: SACK base, echoed PSN, 8 little-endian u64 words."""
+
+    name = "MRCAck"
+    fields_desc = [
+        LEIntField("sack_base", 0),
+        LEIntField("echo_psn", 0),
+        FieldListField("sack", [0] * 8, XLELongField("", 0), count_from=lambda _p: 8),
+    ]
+
+    def guess_payload_class(self, payload: bytes) -> Any:
+        return Raw
+
+
+class MRCNak(Packet):  # type: ignore[misc]
+    """NAK extension, 8 bytes."""
+
+    name = "MRCNak"
+    fields_desc = [LEIntField("msn", 0), LEIntField("code", 1)]
+
+    def guess_payload_class(self, payload: bytes) -> Any:
+        return Raw
+
+
+bind_layers(MRC, MRCData, type=1)
+bind_layers(MRC, MRCData, type=2)
+bind_layers(MRC, MRCAck, type=3)
+bind_layers(MRC, MRCNak, type=4)
+
+_bound_ports: set[int] = set()
+_heuristic_installed = False
+_orig_udp_guess: Any = None
+
+
+def bind_port(port: int = DEFAULT_PORT) -> None:
+    """Decodes UDP traffic to or from ``port`` as MRC. Calling it again is a no-op."""
+    if port in _bound_ports:
+        return
+    bind_layers(UDP, MRC, dport=port)
+    bind_layers(UDP, MRC, sport=port)
+    _bound_ports.add(port)
+
+
+def is_mrc(data: bytes) -> bool:
+    """True if ``data`` starts like an mrc packet (length, magic and version)."""
+    return len(data) >= HDR_LEN and data[0:2] == b"\x52\x4d" and data[2] == VERSION
+
+
+def install_heuristic() -> None:
+    """Decodes any UDP payload that starts with mrc's magic and version as MRC.
+
+    Wraps ``UDP.guess_payload_class``: port bindings made elsewhere still win when
+    the payload does not look like mrc. Idempotent.
+    """
+    global _heuristic_installed, _orig_udp_guess
+    if _heuristic_installed:
+        return
+    _orig_udp_guess = UDP.guess_payload_class
+
+    def guess(self: Any, payload: bytes) -> Any:
+        if is_mrc(bytes(payload[:HDR_LEN])):
+            return MRC
+        return _orig_udp_guess(self, payload)
+
+    UDP.guess_payload_class = guess
+    _heuristic_installed = True
+
+
+def decode(pkt: Any) -> Any:
+    """The MRC layer of a scapy packet (decoding its UDP payload if needed), or None."""
+    if pkt.haslayer(MRC):
+        return pkt[MRC]
+    if not pkt.haslayer(UDP):
+        return None
+    data = bytes(pkt[UDP].payload)
+    return MRC(data) if is_mrc(data) else None
+
+
+def sack_psns(ack: Any) -> list[int]:
+    """PSNs an ``MRCAck`` reports as received in its SACK bitmap."""
+    out = []
+    for w, word in enumerate(ack.sack):
+        while word:
+            b = (word & -word).bit_length() - 1
+            out.append((ack.sack_base + w * 64 + b) & 0xFFFFFFFF)
+            word &= word - 1
+    return out

@@ -1,0 +1,131 @@
+"""Resource limits: 1000 connections between two endpoints, 10000 regions, and
+endpoint shutdown with operations in flight (the C side of it, with a leak check, is
+src_c/tests/test_shutdown.c)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import numpy as np
+import pytest
+from helpers import pattern, planes, sha
+
+import mrc
+
+NCONN = 1000
+
+
+def rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def nfds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_1000_connections() -> None:
+    fds0 = nfds()
+    # window=256: each connection's tx/rx windows are sized by it (see the report
+    # printed below for the measured cost per connection).
+    with mrc.Endpoint(planes(1, 0), window=256) as a, mrc.Endpoint(planes(1, 1), window=256) as b:
+        port = b.listen()
+        server: list[mrc.Connection] = []
+
+        def accept_all() -> None:
+            for _ in range(NCONN):
+                server.append(b.accept(timeout=10))
+
+        rss0 = rss_kib()
+        t = threading.Thread(target=accept_all)
+        t.start()
+        clients = [a.connect(b.planes[0][0], port, timeout=10, name=f"c{i}") for i in range(NCONN)]
+        t.join()
+        assert len(server) == NCONN
+        per_conn_kib = (rss_kib() - rss0) / (2 * NCONN)
+        print(f"\nmemory per connection (one side, window=256): {per_conn_kib:.1f} KiB")
+        assert a.stats()["conns"] == NCONN and b.stats()["conns"] == NCONN
+        ids = {c.ids[0] for c in server}
+        assert len(ids) == NCONN
+        src = pattern(4096, 1)
+        dst = np.zeros((NCONN, 4096), np.uint8)
+        ms, md = a.register(src), b.register(dst)
+        # Connections are accepted in connect order: server[i] is clients[i]'s peer.
+        ops = [c.write(ms, md.descriptor(), remote_offset=i * 4096) for i, c in enumerate(clients)]
+        for op in ops:
+            op.wait(timeout=30)
+        assert all(sha(dst[i]) == sha(src) for i in range(NCONN))
+        assert sum(a.stats()["drops"].values()) == 0
+        for c in clients:
+            c.close()
+        for c in server:
+            c.close()
+        assert a.stats()["conns"] == 0
+        ms.close()
+        md.close()
+    clients.clear()
+    server.clear()
+    gc.collect()
+    assert nfds() <= fds0, "file descriptors leaked"
+
+
+def test_10000_regions() -> None:
+    n = 10000
+    with mrc.Endpoint(planes(1, 0)) as a, mrc.Endpoint(planes(1, 1)) as b:
+        port = b.listen()
+        got: list[mrc.Connection] = []
+        t = threading.Thread(target=lambda: got.append(b.accept(timeout=10)))
+        t.start()
+        ca = a.connect(b.planes[0][0], port, timeout=10)
+        t.join()
+        buf = np.zeros((n, 256), np.uint8)
+        regions = [b.register(buf[i]) for i in range(n)]
+        keys = {r.key for r in regions}
+        assert len(keys) == n and all(k & 0xFFFF for k in keys)
+        src = pattern(256, 4)
+        ms = a.register(src)
+        picks = [0, 1, 4999, n - 1]
+        for i in picks:
+            ca.write(ms, regions[i].descriptor()).wait(timeout=10)
+        for i in range(n):
+            assert (sha(buf[i]) == sha(src)) == (i in picks)
+        gone = regions[7].descriptor()
+        for r in regions:
+            r.close()
+        # A key of a closed region is refused (and puts the connection in error).
+        with pytest.raises(mrc.KeyRejectedError):
+            ca.write(ms, gone).wait(timeout=10)
+        assert not buf[7].any()
+
+
+def test_endpoint_close_with_operations_in_flight() -> None:
+    a = mrc.Endpoint(planes(2, 0))
+    b = mrc.Endpoint(planes(2, 1))
+    port = b.listen()
+    got: list[mrc.Connection] = []
+    t = threading.Thread(target=lambda: got.append(b.accept(timeout=10)))
+    t.start()
+    ca = a.connect(b.planes[0][0], port, timeout=10)
+    t.join()
+    cb = got[0]
+    size = 16 << 20
+    src, dst = pattern(size, 2), np.zeros(size, np.uint8)
+    ms, md = a.register(src), b.register(dst)
+    writes = [ca.write(ms, md.descriptor()) for _ in range(8)]
+    sends = [ca.send(ms, length=100_000, tag=1) for _ in range(4)]  # staged at b
+    recvs = [cb.recv(md, length=1000, tag=2) for _ in range(4)]  # never matched
+    a.close()
+    b.close()
+    for op in writes + sends + recvs:
+        try:
+            op.wait(timeout=10)
+        except mrc.MrcError as e:  # a clear error, never a hang
+            assert isinstance(e, (mrc.ConnectionClosedError, mrc.TimeoutError)), e
+        assert op.done
+    with pytest.raises(mrc.MrcError):
+        ca.write(ms, md.descriptor())
