@@ -413,7 +413,9 @@ def test_large_write_completes_under_attack() -> None:
         assert (whole[:GUARD] == 0xA5).all() and (whole[-GUARD:] == 0xA5).all()
         assert (lv.unreg == 0x5A).all()
         d = delta(before, drops(lv.p.b))
-        assert sent[0] >= 5 * len(attack) and d.get("bad_peer", 0) > 0 and d.get("unknown_conn", 0) > 0
+        assert (
+            sent[0] >= 5 * len(attack) and d.get("bad_peer", 0) > 0 and d.get("unknown_conn", 0) > 0
+        )
         assert d.get("bad_key", 0) == 0 and d.get("bad_bounds", 0) == 0
         assert_healthy(lv)
 
