@@ -192,7 +192,8 @@ struct mrc_conn {
     struct rx_msg *msgs;      /* MRC_MSGW */
     mrc_op *recvq_head, *recvq_tail;     /* posted RECVs */
     struct staged_msg *unexp_head, *unexp_tail;
-    uint64_t staged_bytes;
+    uint64_t staged_bytes;    /* all staged SEND bytes */
+    uint64_t undelivered_bytes; /* of which, messages not yet delivered */
     int staging;              /* staged messages not yet delivered */
     uint64_t ack_need;        /* bit per path id */
     uint32_t ack_echo_psn[MRC_MAX_PATHS];
@@ -304,10 +305,11 @@ void tx_post_pt(mrc_conn *c, mrc_op *op);
 bool tx_run_pt(mrc_conn *c);
 void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
                   const struct mrc_ack_ext *a, uint64_t now);
-void tx_on_nak_pt(mrc_conn *c, const struct mrc_hdr *h, const struct mrc_nak_ext *n);
-void tx_lose_pt(mrc_conn *c, struct tx_pkt *t, uint64_t now);
+void tx_on_nak_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
+                  const struct mrc_nak_ext *n);
+void tx_lose_pt(mrc_conn *c, struct tx_pkt *t);
 void tx_timers_pt(mrc_conn *c, uint64_t now);
-void tx_flush_path_pt(mrc_conn *c, struct path *p, uint64_t now);
+void tx_flush_path_pt(mrc_conn *c, struct path *p);
 void tx_release_pt(mrc_conn *c);
 
 /* rx.c */

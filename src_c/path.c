@@ -174,7 +174,7 @@ void path_set_state_pt(mrc_conn *c, struct path *p, int state, uint64_t now)
         break;
     case MRC_PATH_FAILED:
         p->probe_out = false;
-        tx_flush_path_pt(c, p, now);
+        tx_flush_path_pt(c, p);
         break;
     default:
         break;

@@ -86,27 +86,28 @@ static void recv_complete(mrc_conn *c, mrc_op *r, const uint8_t *data, uint64_t 
  * RECV (a RECV is matched against that list when posted, and a message
  * against the posted RECVs when delivered). So only undelivered messages can
  * change an answer: a SEND may be placed straight into a posted RECV only if
- * matching it now gives the same answer as matching in message order would,
- * i.e. every earlier message is known and none of them is staged.
+ * matching it now gives the same answer as matching in message order would.
+ * It does when every earlier message is known (an unknown one could have any
+ * tag) and no earlier staged message, which will be matched first, could
+ * take the RECV this one would get: the first posted RECV whose tag it
+ * matches. Distinct tags (a stream) thus never wait behind a staged message.
  */
 static mrc_op *rx_bind_recv(mrc_conn *c, struct rx_msg *m)
 {
-    if (c->staging)
-        return NULL;
+    mrc_op *r = c->recvq_head;
+    while (r && !tag_match(r->tag, m->key))
+        r = r->next;
+    if (!r || r->len < m->msg_len)
+        return NULL; /* staged; truncation is reported at delivery */
     for (uint32_t msn = c->rx_deliver_msn; msn != m->msn; msn++) {
         struct rx_msg *e = &c->msgs[msn % MRC_MSGW];
-        if (!e->used || e->msn != msn || (e->type == MRC_PKT_SEND && !e->recv))
+        if (!e->used || e->msn != msn)
+            return NULL;
+        if (e->type == MRC_PKT_SEND && !e->recv && tag_match(r->tag, e->key))
             return NULL;
     }
-    for (mrc_op *r = c->recvq_head; r; r = r->next) {
-        if (!tag_match(r->tag, m->key))
-            continue;
-        if (r->len < m->msg_len)
-            return NULL; /* truncation is reported at delivery */
-        recvq_unlink(c, r);
-        return r;
-    }
-    return NULL;
+    recvq_unlink(c, r);
+    return r;
 }
 
 static void rx_deliver_pt(mrc_conn *c)
@@ -134,6 +135,7 @@ static void rx_deliver_pt(mrc_conn *c)
             recv_complete(c, m->recv, NULL, m->msg_len, m->key);
         } else if (m->type == MRC_PKT_SEND) {
             c->staging--;
+            c->undelivered_bytes -= m->msg_len;
             mrc_op *r = c->recvq_head;
             while (r && !tag_match(r->tag, m->key))
                 r = r->next;
@@ -227,29 +229,39 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
         dst = mr->addr + d->offset;
     } else {
         if (!m->used) {
+            /* Known from its first packet on, even if refused below: later
+             * messages need only its tag to be placed without waiting. */
+            m->used = true;
             m->msn = d->msn;
             m->type = h->type;
             m->key = d->key;
             m->msg_len = d->msg_len;
             m->imm = d->imm;
-            m->recv = rx_bind_recv(c, m);
         }
-        if (!m->recv && !m->stage) {
+        if (!m->recv && !m->stage && !(m->recv = rx_bind_recv(c, m))) {
             /* No RECV to place it in and no room to hold it: tell the sender to
              * back off and try again (RDMA's receiver-not-ready), so that a
              * receiver that stops posting RECVs holds at most max_unexpected
-             * bytes per connection and the sender waits instead of failing.
-             * Zeroed: a message delivered with holes (a peer that lies about
-             * FIRST/LAST) must not expose old heap contents. */
-            if (d->msg_len > ep->cfg.max_unexpected - c->staged_bytes || /* no overflow */
+             * bytes of unexpected messages and the sender waits instead of
+             * failing. The next message to deliver is measured against the
+             * unexpected bytes only: messages that overtook it on other paths
+             * (already acknowledged, so they cannot be dropped) must not
+             * keep it out, or neither it nor they are ever delivered (the
+             * 20 GiB soak stalled so). Total staging stays below twice
+             * max_unexpected. Zeroed: a message delivered with holes (a peer
+             * that lies about FIRST/LAST) must not expose old heap contents. */
+            uint64_t used = c->staged_bytes;
+            if (d->msn == c->rx_deliver_msn)
+                used -= c->undelivered_bytes;
+            if (used > ep->cfg.max_unexpected ||
+                d->msg_len > ep->cfg.max_unexpected - used || /* no overflow */
                 !(m->stage = calloc(1, d->msg_len ? d->msg_len : 1))) {
-                if (!m->used)
-                    memset(m, 0, sizeof(*m));
                 DROP(ep, NO_BUFFER);
                 send_nak(c, h->path, h->psn, d->msn, MRC_NAK_RNR);
                 return;
             }
             c->staged_bytes += d->msg_len;
+            c->undelivered_bytes += d->msg_len;
             c->staging++;
         }
         dst = (m->recv ? m->recv->mr->addr + m->recv->loff : m->stage) + d->offset;
@@ -330,7 +342,7 @@ void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, ui
         tx_on_ack_pt(c, p, h, (const struct mrc_ack_ext *)(h + 1), now);
         break;
     case MRC_PKT_NAK:
-        tx_on_nak_pt(c, h, (const struct mrc_nak_ext *)(h + 1));
+        tx_on_nak_pt(c, p, h, (const struct mrc_nak_ext *)(h + 1));
         break;
     case MRC_PKT_PROBE:
         path_send_ctrl_pt(c, path_for_ack_pt(c, h->path), h->path, MRC_PKT_PROBE_ACK, h->psn,
@@ -427,5 +439,6 @@ void rx_release_pt(mrc_conn *c)
     }
     c->unexp_tail = NULL;
     c->staged_bytes = 0;
+    c->undelivered_bytes = 0;
     c->staging = 0;
 }

@@ -158,27 +158,30 @@ bool tx_run_pt(mrc_conn *c)
     return sent;
 }
 
-void tx_lose_pt(mrc_conn *c, struct tx_pkt *t, uint64_t now)
+/* Queues t for retransmission; `lost`: it counts as lost on its path (a
+ * refusal by a receiver that is not ready does not). */
+static void tx_requeue_pt(mrc_conn *c, struct tx_pkt *t, bool lost)
 {
-    (void)now;
     struct path *p = conn_path(c, t->path);
     if (p) {
         p->inflight -= t->len + MRC_PKT_OVERHEAD;
-        p->lost++;
+        p->lost += lost;
     }
     t->lost = 1;
     c->rtxq[(c->rtx_head + c->rtx_count) & c->wmask] = t->psn;
     c->rtx_count++;
 }
 
+void tx_lose_pt(mrc_conn *c, struct tx_pkt *t) { tx_requeue_pt(c, t, true); }
+
 /* Every unacknowledged packet on p is lost: the path is gone. */
-void tx_flush_path_pt(mrc_conn *c, struct path *p, uint64_t now)
+void tx_flush_path_pt(mrc_conn *c, struct path *p)
 {
     for (uint32_t psn = c->una; psn != c->next_psn; psn++) {
         struct tx_pkt *t = tx_slot(c, psn);
         if (t->op && !t->acked && !t->lost && t->path == p->id) {
             c->ep->st.lost_flush++;
-            tx_lose_pt(c, t, now);
+            tx_lose_pt(c, t);
         }
     }
 }
@@ -286,7 +289,7 @@ void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
         struct path *q = conn_path(c, t->path);
         if (q && q->delivered_ts > t->sent_ns) {
             c->ep->st.lost_rack++;
-            tx_lose_pt(c, t, now);
+            tx_lose_pt(c, t);
             path_on_loss_pt(c, q, false, now);
         }
     }
@@ -295,7 +298,7 @@ void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
 /* Receiver not ready: the packet goes again after a back-off that doubles
  * while the receiver stays full. Not a loss: no path is blamed, and the
  * connection counts as alive (the peer answered). */
-static void tx_on_rnr_pt(mrc_conn *c, struct tx_pkt *t, uint64_t now)
+static void tx_on_rnr_pt(mrc_conn *c, struct path *p, struct tx_pkt *t, uint64_t now)
 {
     c->ep->st.rnr_naks++;
     c->last_progress_ns = now;
@@ -304,21 +307,20 @@ static void tx_on_rnr_pt(mrc_conn *c, struct tx_pkt *t, uint64_t now)
         c->rnr_backoff = MRC_RNR_MAX_NS;
     if (c->rnr_until < now + c->rnr_backoff)
         c->rnr_until = now + c->rnr_backoff;
-    if (t->lost)
-        return;
-    struct path *p = conn_path(c, t->path);
-    if (p)
-        p->inflight -= t->len + MRC_PKT_OVERHEAD;
-    t->lost = 1;
-    c->rtxq[(c->rtx_head + c->rtx_count) & c->wmask] = t->psn;
-    c->rtx_count++;
+    if (p) { /* the path the answer came back on works */
+        p->last_rx_ns = now;
+        p->consec_loss = 0;
+    }
+    if (!t->lost)
+        tx_requeue_pt(c, t, false);
 }
 
 /* The peer refused a packet. Receiver not ready: back off and retry. Bad key
  * or bounds: RDMA's remote access error: the operation fails with the reason
  * and the connection goes to error, as an RC queue pair does; the peer is
  * told with a CLOSE. */
-void tx_on_nak_pt(mrc_conn *c, const struct mrc_hdr *h, const struct mrc_nak_ext *n)
+void tx_on_nak_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
+                  const struct mrc_nak_ext *n)
 {
     struct tx_pkt *t = tx_slot(c, h->psn);
     if (!t->op || t->psn != h->psn || t->acked || t->op->msn != n->msn ||
@@ -327,7 +329,7 @@ void tx_on_nak_pt(mrc_conn *c, const struct mrc_hdr *h, const struct mrc_nak_ext
         return;
     }
     if (n->code == MRC_NAK_RNR) {
-        tx_on_rnr_pt(c, t, now_ns());
+        tx_on_rnr_pt(c, p, t, now_ns());
         return;
     }
     mrc_op *op = t->op;
@@ -357,8 +359,12 @@ void tx_timers_pt(mrc_conn *c, uint64_t now)
         if (now - t->sent_ns < rto || now - p->last_rx_ns < rto)
             continue;
         c->ep->st.lost_rto++;
-        tx_lose_pt(c, t, now);
-        path_on_loss_pt(c, p, true, now);
+        tx_lose_pt(c, t);
+        /* While the receiver is refusing (RNR since the last new ACK) a
+         * silent packet was most likely refused too and its NAK lost, and
+         * the paths are quiet because we are backing off: not their fault. */
+        if (!c->rnr_backoff)
+            path_on_loss_pt(c, p, true, now);
     }
 }
 

@@ -412,13 +412,35 @@ def test_receiver_that_stops_reading_makes_the_sender_wait() -> None:
         with pytest.raises(mrc.TimeoutError, match="still pending"):
             sends[-1].wait(timeout=2.0)
         assert p.ca.error is None
-        assert p.b.stats()["staged_bytes"] <= limit
+        # Unexpected messages, plus as much again of ones that overtook a lost one.
+        assert p.b.stats()["staged_bytes"] <= 2 * limit
         assert p.b.stats()["drops"]["no_buffer"] > 0
         recvs = [p.cb.recv(md, offset=i * msg, length=msg, tag=3) for i in range(n)]
         for op in sends + recvs:
             op.wait(timeout=60)
         assert sha(dst) == sha(src)
         assert p.b.stats()["staged_bytes"] == 0
+
+
+def test_overtaken_message_is_admitted_when_staging_is_full() -> None:
+    """Regression (the 20 GiB soak stalled at 65%): with loss, messages overtake a lost
+    one on other paths and are staged until it arrives; once they filled max_unexpected,
+    the lost message itself was refused (RNR) for ever, so neither it nor they were ever
+    delivered. The next message to deliver must always get in."""
+    msg, n, limit = 8192, 1000, 8 * 8192  # one packet per message; 8 staged fill it
+    with connected_pair(4, max_unexpected=limit, timeout=2.0) as p:
+        for plane in range(4):
+            p.a.inject(plane, loss=0.02)
+        src, dst = pattern(msg * n, 13), np.zeros(msg * n, np.uint8)
+        ms, md = p.a.register(src), p.b.register(dst)
+        recvs = [p.cb.recv(md, offset=i * msg, length=msg, tag=i) for i in range(n)]
+        sends = [p.ca.send(ms, offset=i * msg, length=msg, tag=i) for i in range(n)]
+        for op in sends + recvs:
+            op.wait(timeout=30)
+        assert sha(dst) == sha(src)
+        st = p.b.stats()
+        assert st["staged_bytes"] == 0
+        assert p.a.stats()["lost_rack"] + p.a.stats()["lost_rto"] > 0  # losses happened
 
 
 def test_recv_posted_while_other_tags_wait_unmatched() -> None:

@@ -34,8 +34,10 @@ import numpy as np  # noqa: E402
 import mrc  # noqa: E402
 from mrc.paths import fabric_endpoint  # noqa: E402
 
-DONE_TAG = 0xD0E
-DESC_TAG = 0xDE5C
+# Control tags live above every data tag (stream mode tags chunk i with i + 1): a
+# 4 MiB chunk once matched the 8-byte "done" RECV at tag 0xD0E = 3342 (the soak stalled).
+DONE_TAG = 1 << 62
+DESC_TAG = DONE_TAG + 1
 
 
 def emit(**kw: Any) -> None:

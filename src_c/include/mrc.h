@@ -66,7 +66,8 @@ struct mrc_ep_config {
     uint32_t window;       /* packets in flight per connection (power of 2); 0: 4096 */
     uint64_t max_unexpected; /* SEND bytes held per connection for RECVs not yet
                               * posted; beyond it the sender is told to back off
-                              * (receiver not ready); 0: 64 MiB */
+                              * (receiver not ready); 0: 64 MiB. Messages that
+                              * overtook a lost one may take as much again. */
 };
 
 void mrc_ep_config_init(struct mrc_ep_config *cfg);
