@@ -16,6 +16,8 @@
 #include <sys/random.h>
 #include <unistd.h>
 
+static void mr_free(mrc_mr *mr);
+
 const char *mrc_strerror(int rc)
 {
     switch (rc) {
@@ -226,7 +228,12 @@ void mrc_ep_destroy(mrc_ep *ep)
     ep_wake(ep);
     pthread_join(ep->thread, NULL);
     /* The thread failed every pending op and freed every connection's
-     * datapath state before it returned (engine_main). */
+     * datapath state before it returned (engine_main). What the caller did
+     * not destroy goes now: its handles are dangling from here on. */
+    while (ep->own_conns)
+        conn_free(ep->own_conns);
+    while (ep->own_mrs)
+        mr_free(ep->own_mrs);
     for (int i = 0; i < ep->nsocks; i++) {
         close(ep->socks[i]->fd);
         free(ep->socks[i]);
@@ -338,10 +345,17 @@ int mrc_mr_reg(mrc_ep *ep, void *addr, size_t len, int access, mrc_mr **out)
     mr->key = (rand_u64() << 16) | slot;
     struct ctl c = {.type = CTL_MR_ADD, .arg = mr};
     int rc = ep_ctl(ep, &c);
+    pthread_mutex_lock(&ep->lock);
     if (rc) {
-        pthread_mutex_lock(&ep->lock);
         ep->mr_free[ep->nmr_free++] = slot;
-        pthread_mutex_unlock(&ep->lock);
+    } else {
+        mr->own_next = ep->own_mrs;
+        if (ep->own_mrs)
+            ep->own_mrs->own_prev = mr;
+        ep->own_mrs = mr;
+    }
+    pthread_mutex_unlock(&ep->lock);
+    if (rc) {
         free(mr);
         return rc;
     }
@@ -358,8 +372,20 @@ void mrc_mr_dereg(mrc_mr *mr)
     mrc_ep *ep = mr->ep;
     struct ctl c = {.type = CTL_MR_DEL, .arg = mr};
     ep_ctl(ep, &c); /* fails only if the engine stopped, which also unmaps it */
+    mr_free(mr);
+}
+
+static void mr_free(mrc_mr *mr)
+{
+    mrc_ep *ep = mr->ep;
     pthread_mutex_lock(&ep->lock);
     ep->mr_free[ep->nmr_free++] = (uint32_t)(mr->key & 0xffff);
+    if (mr->own_prev)
+        mr->own_prev->own_next = mr->own_next;
+    else
+        ep->own_mrs = mr->own_next;
+    if (mr->own_next)
+        mr->own_next->own_prev = mr->own_prev;
     pthread_mutex_unlock(&ep->lock);
     free(mr);
 }
@@ -448,14 +474,9 @@ static void op_unref(mrc_op *op)
         free(op);
 }
 
-static int wait_until(mrc_ep *ep, int timeout_ms, const struct timespec *dl)
-{
-    if (timeout_ms < 0)
-        return pthread_cond_wait(&ep->cv, &ep->lock);
-    return pthread_cond_timedwait(&ep->cv, &ep->lock, dl);
-}
-
-static struct timespec deadline(int timeout_ms)
+/* Waits on ep->cv, with ep->lock held, until ready(arg) or timeout_ms pass
+ * (0: just look, <0: no limit). Returns ready(arg). */
+static bool wait_for(mrc_ep *ep, int timeout_ms, bool (*ready)(const void *), const void *arg)
 {
     struct timespec dl;
     clock_gettime(CLOCK_MONOTONIC, &dl);
@@ -467,23 +488,22 @@ static struct timespec deadline(int timeout_ms)
             dl.tv_nsec -= 1000000000L;
         }
     }
-    return dl;
+    while (!ready(arg) && timeout_ms != 0) {
+        int rc = timeout_ms < 0 ? pthread_cond_wait(&ep->cv, &ep->lock)
+                                : pthread_cond_timedwait(&ep->cv, &ep->lock, &dl);
+        if (rc == ETIMEDOUT)
+            break;
+    }
+    return ready(arg);
 }
+
+static bool op_ready(const void *arg) { return ((const mrc_op *)arg)->done; }
 
 int mrc_op_wait(mrc_op *op, int timeout_ms)
 {
     mrc_ep *ep = op->ep;
-    struct timespec dl = deadline(timeout_ms);
-    int rc = 0;
     pthread_mutex_lock(&ep->lock);
-    while (!op->done && rc != ETIMEDOUT) {
-        if (timeout_ms == 0) {
-            rc = ETIMEDOUT;
-            break;
-        }
-        rc = wait_until(ep, timeout_ms, &dl);
-    }
-    int done = op->done;
+    bool done = wait_for(ep, timeout_ms, op_ready, op);
     pthread_mutex_unlock(&ep->lock);
     return done ? 0 : -ETIMEDOUT;
 }
@@ -507,19 +527,17 @@ void mrc_op_release(mrc_op *op)
         op_unref(op);
 }
 
+static bool imm_ready(const void *arg)
+{
+    const mrc_conn *c = arg;
+    return c->imm_head || c->state != CONN_ACTIVE;
+}
+
 int mrc_conn_wait_imm(mrc_conn *c, int timeout_ms, uint32_t *imm, uint64_t *len)
 {
     mrc_ep *ep = c->ep;
-    struct timespec dl = deadline(timeout_ms);
-    int rc = 0;
     pthread_mutex_lock(&ep->lock);
-    while (!c->imm_head && rc != ETIMEDOUT && c->state == CONN_ACTIVE) {
-        if (timeout_ms == 0) {
-            rc = ETIMEDOUT;
-            break;
-        }
-        rc = wait_until(ep, timeout_ms, &dl);
-    }
+    wait_for(ep, timeout_ms, imm_ready, c);
     struct imm_ev *ev = c->imm_head;
     if (ev) {
         c->imm_head = ev->next;

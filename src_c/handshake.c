@@ -161,6 +161,10 @@ int mrc_conn_create(mrc_ep *ep, const char *name, mrc_conn **out)
         return MRC_ENOBUFS;
     }
     c->slot = ep->conn_free[--ep->nconn_free];
+    c->own_next = ep->own_conns;
+    if (ep->own_conns)
+        ep->own_conns->own_prev = c;
+    ep->own_conns = c;
     pthread_mutex_unlock(&ep->lock);
     c->ep = ep;
     /* 16 random bits above the slot: stale or guessed ids rarely match. */
@@ -428,6 +432,14 @@ void mrc_conn_destroy(mrc_conn *c)
         struct ctl x = {.type = CTL_CONN_DEL, .arg = c};
         ep_ctl(ep, &x); /* the engine may have stopped: then it already forgot c */
     }
+    conn_free(c);
+}
+
+/* Frees what the API side of c owns. The progress thread no longer knows c
+ * (CTL_CONN_DEL, or it has stopped). */
+void conn_free(mrc_conn *c)
+{
+    mrc_ep *ep = c->ep;
     if (c->hs_fd >= 0)
         close(c->hs_fd);
     while (c->imm_head) {
@@ -441,6 +453,12 @@ void mrc_conn_destroy(mrc_conn *c)
     free(c->msgs);
     pthread_mutex_lock(&ep->lock);
     ep->conn_free[ep->nconn_free++] = c->slot;
+    if (c->own_prev)
+        c->own_prev->own_next = c->own_next;
+    else
+        ep->own_conns = c->own_next;
+    if (c->own_next)
+        c->own_next->own_prev = c->own_prev;
     pthread_mutex_unlock(&ep->lock);
     free(c);
 }

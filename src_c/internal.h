@@ -64,6 +64,7 @@ static inline uint64_t rng_next(uint64_t *s)
 
 struct mrc_mr {
     mrc_ep *ep;        /* [const] */
+    struct mrc_mr *own_prev, *own_next; /* [lock] ep->own_mrs: freed by mrc_ep_destroy */
     uint8_t *addr;     /* [const] */
     uint64_t len;      /* [const] */
     uint64_t key;      /* [const] */
@@ -156,6 +157,7 @@ enum conn_state { CONN_NEW = 0, CONN_ACTIVE, CONN_FAILED, CONN_CLOSED };
 
 struct mrc_conn {
     mrc_ep *ep;
+    struct mrc_conn *own_prev, *own_next; /* [lock] ep->own_conns: freed by mrc_ep_destroy */
     uint32_t id, peer_id;
     uint32_t slot;
     char name[64], peer_name[64];
@@ -260,6 +262,8 @@ struct mrc_ep {
     struct ctl *ctlq_head, *ctlq_tail;
     uint32_t conn_free[MRC_SLOTS], nconn_free; /* free slot stack */
     uint32_t mr_free[MRC_SLOTS], nmr_free;
+    mrc_conn *own_conns;     /* every connection and region not yet destroyed */
+    mrc_mr *own_mrs;
     int listen_fd;
 
     /* progress thread */
@@ -284,6 +288,7 @@ void ep_wake(mrc_ep *ep);
 void op_complete_pt(mrc_ep *ep, mrc_op *op, int status);
 void ep_publish_pt(mrc_ep *ep);
 void conn_fail_pt(mrc_conn *c, int err, int op_err);
+void conn_free(mrc_conn *c);
 void ep_ctl_run_pt(mrc_ep *ep, struct ctl *c);
 int addr_parse(const char *s, uint16_t port, struct sockaddr_storage *ss, socklen_t *len);
 void addr_format(const struct sockaddr_storage *ss, char *buf, size_t len);

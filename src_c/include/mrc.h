@@ -72,7 +72,10 @@ struct mrc_ep_config {
 
 void mrc_ep_config_init(struct mrc_ep_config *cfg);
 int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out);
-/* Stops the progress thread; every pending operation fails with MRC_ECLOSED. */
+/* Stops the progress thread; every pending operation fails with MRC_ECLOSED.
+ * Connections and regions not yet destroyed are freed with it (their handles
+ * must not be used again); operations stay the caller's, and only
+ * mrc_op_release may be called on them afterwards. */
 void mrc_ep_destroy(mrc_ep *ep);
 int mrc_ep_nplanes(const mrc_ep *ep);
 /* The plane's bound address and UDP port. */

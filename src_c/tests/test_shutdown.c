@@ -1,7 +1,8 @@
 /*
  * test_shutdown.c - closing with operations in flight: every operation
  * completes (done, status 0 or a clear error), staged SENDs, unread
- * immediates and posted RECVs are freed. Run under ASan's leak checker by
+ * immediates and posted RECVs are freed, and so are connections and regions
+ * left open when the endpoint goes. Run under ASan's leak checker by
  * `make asan-test`: nothing may leak.
  */
 #include <pthread.h>
@@ -58,7 +59,8 @@ static void settle(mrc_op *op)
     mrc_op_release(op);
 }
 
-/* side: which connection goes first (the writer's or the reader's) */
+/* side: which connection goes first (the writer's or the reader's), or 2:
+ * neither, the endpoints are destroyed with everything still open */
 static void run(int side)
 {
     enum { NW = 8, NS = 4, NR = 4, SZ = 4 << 20 };
@@ -79,6 +81,21 @@ static void run(int side)
         CHECK_RC(mrc_post_write(ca, ms, 0, SZ, mrc_mr_key(md), 0, (uint32_t)i, MRC_WRITE_IMM,
                                 &ops[n++]));
     mrc_op_wait(ops[NS + NR], 10000); /* some data is on its way */
+    if (side == 2) {
+        /* The endpoints go first: they free the connections (one of them
+         * never connected) and regions left to them; the operations are
+         * only released. */
+        mrc_conn *unused;
+        CHECK_RC(mrc_conn_create(a, "never connected", &unused));
+        mrc_ep_destroy(a);
+        mrc_ep_destroy(b);
+        ca = cb = unused = NULL; /* dangling now; nothing else may keep them reachable */
+        for (int i = 0; i < n; i++)
+            mrc_op_release(ops[i]);
+        free(src);
+        free(dst);
+        return;
+    }
     if (side == 0) {
         mrc_conn_destroy(ca);
         mrc_conn_destroy(cb);
@@ -100,6 +117,7 @@ int main(void)
 {
     run(0);
     run(1);
+    run(2);
     DONE("test_shutdown");
     return 0;
 }
