@@ -349,10 +349,7 @@ int mrc_mr_reg(mrc_ep *ep, void *addr, size_t len, int access, mrc_mr **out)
     if (rc) {
         ep->mr_free[ep->nmr_free++] = slot;
     } else {
-        mr->own_next = ep->own_mrs;
-        if (ep->own_mrs)
-            ep->own_mrs->own_prev = mr;
-        ep->own_mrs = mr;
+        DL_APPEND(ep->own_mrs, ep->own_mrs_tail, mr, own_prev, own_next);
     }
     pthread_mutex_unlock(&ep->lock);
     if (rc) {
@@ -380,12 +377,7 @@ static void mr_free(mrc_mr *mr)
     mrc_ep *ep = mr->ep;
     pthread_mutex_lock(&ep->lock);
     ep->mr_free[ep->nmr_free++] = (uint32_t)(mr->key & 0xffff);
-    if (mr->own_prev)
-        mr->own_prev->own_next = mr->own_next;
-    else
-        ep->own_mrs = mr->own_next;
-    if (mr->own_next)
-        mr->own_next->own_prev = mr->own_prev;
+    DL_UNLINK(ep->own_mrs, ep->own_mrs_tail, mr, own_prev, own_next);
     pthread_mutex_unlock(&ep->lock);
     free(mr);
 }

@@ -161,10 +161,7 @@ int mrc_conn_create(mrc_ep *ep, const char *name, mrc_conn **out)
         return MRC_ENOBUFS;
     }
     c->slot = ep->conn_free[--ep->nconn_free];
-    c->own_next = ep->own_conns;
-    if (ep->own_conns)
-        ep->own_conns->own_prev = c;
-    ep->own_conns = c;
+    DL_APPEND(ep->own_conns, ep->own_conns_tail, c, own_prev, own_next);
     pthread_mutex_unlock(&ep->lock);
     c->ep = ep;
     /* 16 random bits above the slot: stale or guessed ids rarely match. */
@@ -453,12 +450,7 @@ void conn_free(mrc_conn *c)
     free(c->msgs);
     pthread_mutex_lock(&ep->lock);
     ep->conn_free[ep->nconn_free++] = c->slot;
-    if (c->own_prev)
-        c->own_prev->own_next = c->own_next;
-    else
-        ep->own_conns = c->own_next;
-    if (c->own_next)
-        c->own_next->own_prev = c->own_prev;
+    DL_UNLINK(ep->own_conns, ep->own_conns_tail, c, own_prev, own_next);
     pthread_mutex_unlock(&ep->lock);
     free(c);
 }

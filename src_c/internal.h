@@ -49,6 +49,31 @@ static inline uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* Doubly linked lists with head and tail, through the fields named prev and
+ * next of each element. */
+#define DL_APPEND(head, tail, x, prev, next)                                     \
+    do {                                                                          \
+        (x)->prev = (tail);                                                       \
+        (x)->next = NULL;                                                         \
+        if (tail)                                                                 \
+            (tail)->next = (x);                                                   \
+        else                                                                      \
+            (head) = (x);                                                         \
+        (tail) = (x);                                                             \
+    } while (0)
+#define DL_UNLINK(head, tail, x, prev, next)                                     \
+    do {                                                                          \
+        if ((x)->prev)                                                            \
+            (x)->prev->next = (x)->next;                                          \
+        else                                                                      \
+            (head) = (x)->next;                                                   \
+        if ((x)->next)                                                            \
+            (x)->next->prev = (x)->prev;                                          \
+        else                                                                      \
+            (tail) = (x)->prev;                                                   \
+        (x)->prev = (x)->next = NULL;                                             \
+    } while (0)
+
 /* xorshift64*: fault injection and path tie-breaks, never keys. */
 static inline uint64_t rng_next(uint64_t *s)
 {
@@ -262,8 +287,8 @@ struct mrc_ep {
     struct ctl *ctlq_head, *ctlq_tail;
     uint32_t conn_free[MRC_SLOTS], nconn_free; /* free slot stack */
     uint32_t mr_free[MRC_SLOTS], nmr_free;
-    mrc_conn *own_conns;     /* every connection and region not yet destroyed */
-    mrc_mr *own_mrs;
+    mrc_conn *own_conns, *own_conns_tail; /* connections and regions not yet destroyed */
+    mrc_mr *own_mrs, *own_mrs_tail;
     int listen_fd;
 
     /* progress thread */

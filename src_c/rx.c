@@ -59,15 +59,7 @@ static bool tag_match(uint64_t want, uint64_t tag) { return want == MRC_TAG_ANY 
 
 static void recvq_unlink(mrc_conn *c, mrc_op *op)
 {
-    if (op->prev)
-        op->prev->next = op->next;
-    else
-        c->recvq_head = op->next;
-    if (op->next)
-        op->next->prev = op->prev;
-    else
-        c->recvq_tail = op->prev;
-    op->prev = op->next = NULL;
+    DL_UNLINK(c->recvq_head, c->recvq_tail, op, prev, next);
 }
 
 static void recv_complete(mrc_conn *c, mrc_op *r, const uint8_t *data, uint64_t len,
@@ -179,13 +171,7 @@ void rx_post_recv_pt(mrc_conn *c, mrc_op *op)
         free(s);
         return;
     }
-    op->prev = c->recvq_tail;
-    op->next = NULL;
-    if (c->recvq_tail)
-        c->recvq_tail->next = op;
-    else
-        c->recvq_head = op;
-    c->recvq_tail = op;
+    DL_APPEND(c->recvq_head, c->recvq_tail, op, prev, next);
 }
 
 static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payload)

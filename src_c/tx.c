@@ -20,31 +20,16 @@ static inline struct tx_pkt *tx_slot(mrc_conn *c, uint32_t psn)
 void tx_post_pt(mrc_conn *c, mrc_op *op)
 {
     op->msn = c->next_msn++;
-    op->prev = c->txops_tail;
-    op->next = NULL;
-    if (c->txops_tail)
-        c->txops_tail->next = op;
-    else {
-        c->txops_head = op;
-        /* The connection was idle: the no-progress clock starts now. */
+    if (!c->txops_head) /* the connection was idle: the no-progress clock starts now */
         c->last_progress_ns = now_ns();
-    }
-    c->txops_tail = op;
+    DL_APPEND(c->txops_head, c->txops_tail, op, prev, next);
     if (!c->seg_op)
         c->seg_op = op;
 }
 
 static void txops_unlink(mrc_conn *c, mrc_op *op)
 {
-    if (op->prev)
-        op->prev->next = op->next;
-    else
-        c->txops_head = op->next;
-    if (op->next)
-        op->next->prev = op->prev;
-    else
-        c->txops_tail = op->prev;
-    op->prev = op->next = NULL;
+    DL_UNLINK(c->txops_head, c->txops_tail, op, prev, next);
 }
 
 /* Puts packet t on the wire on path p (or loses it to fault injection). */
