@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -34,40 +33,21 @@ from mrc.fabric.testing import fabric_up
 from mrc.routing import host_planes
 
 ROOT = Path(__file__).resolve().parent.parent
-XFER = str(ROOT / "tools" / "fabric_xfer.py")
 FAB_1G = ROOT / "routing" / "4host-4plane-1g.toml"
 FAB_UNEQUAL = ROOT / "routing" / "4host-4plane-unequal.toml"
 SRC, DST = "h0", "h2"
 
 
 def transfer(
-    fab: Any, fabric: Path, size: int, chunk: int, depth: int, on_progress: Any = None
+    fab: Any, size: int, chunk: int, depth: int, on_progress: Any = None
 ) -> dict[str, Any]:
-    py = sys.executable
-    args = ["--fabric", str(fabric), "--size", str(size), "--chunk", str(chunk)]
-    srv = fab.popen(DST, [py, XFER, "server", "--host", DST, *args], stdout=subprocess.PIPE)
-    port = json.loads(srv.stdout.readline())["port"]
-    cli = fab.popen(
+    x = fab.xfer(
         SRC,
-        [
-            py,
-            XFER,
-            "client",
-            "--host",
-            SRC,
-            "--peer",
-            DST,
-            "--port",
-            str(port),
-            "--depth",
-            str(depth),
-            "--timeline",
-            "--progress",
-            "0.01",
-            *args,
-        ],
-        stdout=subprocess.PIPE,
+        DST,
+        ["--size", str(size), "--chunk", str(chunk)],
+        client_args=["--depth", str(depth), "--timeline", "--progress", "0.01"],
     )
+    cli = x.client
     result: dict[str, Any] = {}
     for line in cli.stdout:
         ev = json.loads(line)
@@ -77,10 +57,10 @@ def transfer(
         else:
             result = ev
     cli.wait()
-    server = json.loads(srv.stdout.readline()) if result.get("event") == "done" else {}
-    srv.wait(timeout=30)
     if result.get("event") != "done":
+        x.kill()
         raise SystemExit(f"transfer failed: {result}")
+    server = x.server_result()
     result["verified"] = result["sha256"] == server["sha256"]
     return result
 
@@ -99,7 +79,7 @@ def goodput_case(
     with fabric_up(fabric, prefix="bmp") as fab:
         for el in failed:
             fab.fail(el)
-        r = transfer(fab, fabric, size, 4 << 20, 16)
+        r = transfer(fab, size, 4 << 20, 16)
     row = {
         "case": name,
         "capacity_gbps": capacity_gbps,
@@ -148,7 +128,7 @@ def failover_case(size: int, side: str) -> dict[str, Any]:
                 )
                 fail_at["done"] = time.monotonic()
 
-        r = transfer(fab, FAB_1G, size, 1 << 20, 16, on_progress)
+        r = transfer(fab, size, 1 << 20, 16, on_progress)
     t_fail = fail_at["t"] - r["t0"]
     ts, acked = np.asarray(r["acked"], dtype=float).T
     edges = np.arange(0.0, ts[-1], 0.001)

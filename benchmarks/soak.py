@@ -1,7 +1,7 @@
 """Soak: a long verified stream over the 4-plane SRv6 fabric under constant faults.
 
 1% random loss on every link and h0's plane-1 cable flapping every 500 ms, while h0
-streams `--gib` GiB of tag-ordered SENDs to h2 (tools/fabric_xfer.py --mode stream:
+streams `--gib` GiB of tag-ordered SENDs to h2 (mrc.fabric.xfer --mode stream:
 bounded memory, both ends hash the stream). Side by side, in the same run and on
 the same fabric: the same stream with no faults (`--baseline-gib`), and the least
 retransmission overhead the random loss alone forces (every transmission crosses
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -33,7 +32,6 @@ from mrc.telemetry import fetch
 
 ROOT = Path(__file__).resolve().parent.parent
 FABRIC = ROOT / "tests" / "fabrics" / "4host-4plane-fast.toml"
-XFER = str(ROOT / "tools" / "fabric_xfer.py")
 LINKS_PER_PATH = 4  # host-leaf, leaf-spine, spine-leaf, leaf-host: each may drop it
 FLAP_S = 0.5
 
@@ -48,22 +46,16 @@ def stream(
     """Streams `gib` GiB h0 -> h2; returns the client's result plus the server's hash,
     the progress timeline and the number of flaps."""
     size = int(gib * (1 << 30))
-    py = sys.executable
     tmp = tempfile.mkdtemp(prefix="mrc-soak-")
     socks = {"client": f"{tmp}/client.sock", "server": f"{tmp}/server.sock"}
-    args = ["--fabric", str(FABRIC), "--size", str(size), "--mode", "stream", "--timeout", "10"]
-    srv = fab.popen(
-        "h2",
-        [py, XFER, "server", "--host", "h2", "--stats-socket", socks["server"], *args],
-        stdout=subprocess.PIPE,
-    )
-    port = json.loads(srv.stdout.readline())["port"]  # type: ignore[union-attr]
-    cli = fab.popen(
+    x = fab.xfer(
         "h0",
-        [py, XFER, "client", "--host", "h0", "--peer", "h2", "--port", str(port)]
-        + ["--progress", "0.01", "--stats-socket", socks["client"], *args],
-        stdout=subprocess.PIPE,
+        "h2",
+        ["--size", str(size), "--mode", "stream", "--timeout", "10"],
+        client_args=["--progress", "0.01", "--stats-socket", socks["client"]],
+        server_args=["--stats-socket", socks["server"]],
     )
+    cli, srv = x.client, x.server
     stop = threading.Event()
     flaps = 0
     last = time.monotonic()
@@ -121,15 +113,12 @@ def stream(
         t.join()
     cli.wait()
     if stalled:
-        srv.kill()
-        srv.wait()
+        x.kill()
         raise Stalled(json.dumps(stalled))
     if result.get("event") != "done":
-        srv.kill()
-        srv.wait()
+        x.kill()
         raise SystemExit(f"{label} failed: {result}")
-    server = json.loads(srv.stdout.readline())  # type: ignore[union-attr]
-    srv.wait(timeout=60)
+    server = x.server_result()
     timeline.append((result["elapsed"], result["bytes"]))
     return {**result, "server_sha256": server["sha256"], "timeline": timeline, "flaps": flaps}
 

@@ -174,6 +174,20 @@ void rx_post_recv_pt(mrc_conn *c, mrc_op *op)
     DL_APPEND(c->recvq_head, c->recvq_tail, op, prev, next);
 }
 
+/* The first accepted packet of a message records what every later one must
+ * repeat (checked in rx_data_pt). */
+static void rx_msg_note(struct rx_msg *m, const struct mrc_hdr *h, const struct mrc_data_ext *d)
+{
+    if (m->used)
+        return;
+    m->used = true;
+    m->msn = d->msn;
+    m->type = h->type;
+    m->key = d->key;
+    m->msg_len = d->msg_len;
+    m->imm = d->imm;
+}
+
 static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payload)
 {
     mrc_ep *ep = c->ep;
@@ -214,16 +228,9 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
         }
         dst = mr->addr + d->offset;
     } else {
-        if (!m->used) {
-            /* Known from its first packet on, even if refused below: later
-             * messages need only its tag to be placed without waiting. */
-            m->used = true;
-            m->msn = d->msn;
-            m->type = h->type;
-            m->key = d->key;
-            m->msg_len = d->msg_len;
-            m->imm = d->imm;
-        }
+        /* Known from its first packet on, even if refused below: later
+         * messages need only its tag to be placed without waiting. */
+        rx_msg_note(m, h, d);
         if (!m->recv && !m->stage && !(m->recv = rx_bind_recv(c, m))) {
             /* No RECV to place it in and no room to hold it: tell the sender to
              * back off and try again (RDMA's receiver-not-ready), so that a
@@ -252,14 +259,7 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
         }
         dst = (m->recv ? m->recv->mr->addr + m->recv->loff : m->stage) + d->offset;
     }
-    if (!m->used) {
-        m->used = true;
-        m->msn = d->msn;
-        m->type = h->type;
-        m->key = d->key;
-        m->msg_len = d->msg_len;
-        m->imm = d->imm;
-    }
+    rx_msg_note(m, h, d);
     m->flags |= h->flags & MRC_F_IMM;
     memcpy(dst, payload, h->len);
     m->got += h->len;

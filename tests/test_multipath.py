@@ -2,7 +2,7 @@
 transfers complete byte-exact while planes, spines and links fail, flap and drop
 packets; failed paths are detected quickly and come back after a heal.
 
-One process per host (tools/fabric_xfer.py); the client exposes its stats socket,
+One process per host (mrc.fabric.xfer); the client exposes its stats socket,
 which the test polls to see path states as the transport sees them.
 """
 
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +24,6 @@ pytestmark = pytest.mark.root
 
 ROOT = Path(__file__).resolve().parent.parent
 FABRIC = ROOT / "tests" / "fabrics" / "4host-4plane-fast.toml"
-XFER = str(ROOT / "tools" / "fabric_xfer.py")
 SRC, DST = "h0", "h2"  # on different leaves: every path crosses leaf, spine, leaf
 GIB = 1 << 30
 # (size, chunk): the headline test moves 1 GiB; the others 256 MiB, which already
@@ -70,43 +67,14 @@ class Transfer:
         self.size, chunk = MODES[mode]
         self.size = size or self.size
         self.sock = f"/tmp/mrc-test-{os.getpid()}-{id(self)}.sock"
-        args = [
-            "--fabric",
-            str(FABRIC),
-            "--size",
-            str(self.size),
-            "--mode",
-            mode,
-            "--chunk",
-            str(chunk),
-            "--timeout",
-            str(timeout),
-        ]
-        self.server = fab.popen(
-            DST, [sys.executable, XFER, "server", "--host", DST, *args], stdout=subprocess.PIPE
-        )
-        assert self.server.stdout is not None
-        port = json.loads(self.server.stdout.readline())["port"]
-        self.client = fab.popen(
+        x = fab.xfer(
             SRC,
-            [
-                sys.executable,
-                XFER,
-                "client",
-                "--host",
-                SRC,
-                "--peer",
-                DST,
-                "--port",
-                str(port),
-                "--progress",
-                "0.02",
-                "--stats-socket",
-                self.sock,
-                *args,
-            ],
-            stdout=subprocess.PIPE,
+            DST,
+            ["--size", str(self.size), "--mode", mode, "--chunk", str(chunk)]
+            + ["--timeout", str(timeout)],
+            client_args=["--progress", "0.02", "--stats-socket", self.sock],
         )
+        self.x, self.client = x, x.client
         self.done_bytes = 0
         self.result: dict[str, Any] = {}
         self.cond = threading.Condition()
@@ -142,12 +110,8 @@ class Transfer:
         with self.cond:
             self.cond.wait_for(lambda: bool(self.result), timeout)
         self.client.wait(timeout=30)
-        server: dict[str, Any] = {}
-        if self.result.get("event") == "done":
-            assert self.server.stdout is not None
-            server = json.loads(self.server.stdout.readline())
-        self.server.kill()
-        self.server.wait()
+        server = self.x.server_result() if self.result.get("event") == "done" else {}
+        self.x.kill()
         return self.result, server
 
     def paths(self) -> list[dict[str, Any]]:
@@ -166,10 +130,7 @@ class Transfer:
         )
 
     def kill(self) -> None:
-        for p in (self.client, self.server):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        self.x.kill()
 
 
 def verified(t: Transfer) -> dict[str, Any]:

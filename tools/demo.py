@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -122,18 +121,9 @@ def fabric() -> bool:
         f"Bringing up {fab_file.name}: 4 hosts, 4 planes x 2 spines, "
         "one namespace per host and switch ..."
     )
-    py = sys.executable
-    xfer = str(ROOT / "tools" / "fabric_xfer.py")
     with fabric_up(fab_file, prefix="mrcdemo") as fab:
-        args = ["--fabric", str(fab_file), "--size", str(SIZE), "--mode", "write"]
-        srv = fab.popen("h1", [py, xfer, "server", "--host", "h1", *args], stdout=subprocess.PIPE)
-        assert srv.stdout is not None
-        port = json.loads(srv.stdout.readline())["port"]
-        cli = fab.popen(
-            "h0",
-            [py, xfer, "client", "--host", "h0", "--peer", "h1", "--port", str(port), *args],
-            stdout=subprocess.PIPE,
-        )
+        x = fab.xfer("h0", "h1", ["--size", str(SIZE), "--mode", "write"])
+        cli = x.client
         assert cli.stdout is not None
         failed = False
         result: dict[str, Any] = {}
@@ -156,9 +146,8 @@ def fabric() -> bool:
                     result = ev
                     bar.update(task, completed=ev.get("bytes", 0))
         cli.wait(timeout=60)
-        server_done = json.loads(srv.stdout.readline())
-        srv.wait(timeout=60)
         if result.get("event") != "done":
+            x.kill()
             console.print(f"[red]client failed: {result}[/]")
             return False
         console.print(
@@ -170,7 +159,7 @@ def fabric() -> bool:
         for p in result["stats"]["paths"]:
             p["via"] = via.get(p["path"], "-")
         console.print(path_table(result["stats"], "h0's paths to h1 after the transfer"))
-        return bool(result["sha256"] == server_done["sha256"])
+        return bool(result["sha256"] == x.server_result()["sha256"])
 
 
 def can_fabric() -> bool:

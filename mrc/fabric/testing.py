@@ -85,6 +85,58 @@ class RunningFabric:
     def counters(self, element: str) -> dict[str, dict[str, int]]:
         return netns.link_counters(self.prefix, element)
 
+    def xfer(
+        self,
+        src: str,
+        dst: str,
+        args: Sequence[str] = (),
+        client_args: Sequence[str] = (),
+        server_args: Sequence[str] = (),
+    ) -> Xfer:
+        """Starts a verified transfer src -> dst (`python -m mrc.fabric.xfer`: a server
+        in dst's namespace, then a client in src's once the server listens). `args` go
+        to both (size, mode, chunk, ...); read the JSON lines of `client.stdout`."""
+        run = [sys.executable, "-m", "mrc.fabric.xfer"]
+        common = ["--fabric", self.file, *args]
+        server = self.popen(
+            dst, [*run, "server", "--host", dst, *common, *server_args], stdout=subprocess.PIPE
+        )
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        if not line:
+            server.wait()
+            raise RuntimeError(f"xfer server on {dst} exited ({server.returncode}), not listening")
+        port = json.loads(line)["port"]
+        client = self.popen(
+            src,
+            [*run, "client", "--host", src, "--peer", dst, "--port", str(port)]
+            + [*common, *client_args],
+            stdout=subprocess.PIPE,
+        )
+        return Xfer(server, client, port)
+
+
+@dataclass
+class Xfer:
+    """A running `mrc.fabric.xfer` pair (see RunningFabric.xfer)."""
+
+    server: subprocess.Popen[str]
+    client: subprocess.Popen[str]
+    port: int
+
+    def server_result(self) -> dict[str, Any]:
+        """The server's closing JSON line (its hash and stats); waits for it to exit."""
+        assert self.server.stdout is not None
+        line = self.server.stdout.readline()
+        self.server.wait(timeout=60)
+        return json.loads(line) if line else {}
+
+    def kill(self) -> None:
+        for p in (self.client, self.server):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
 
 def unique_prefix(stem: str = "t") -> str:
     """A fresh fabric name, so parallel or leftover test fabrics never collide."""

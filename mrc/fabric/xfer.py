@@ -1,9 +1,10 @@
 """A verified bulk transfer between two hosts of a fabric, one process per host.
 
-Run in each host's namespace (tests, benchmarks and the demo drive it):
+Run in each host's namespace (tests, benchmarks and the demo drive it, through
+`RunningFabric.xfer` in mrc.fabric.testing):
 
-    fabric_xfer.py server --fabric F --host h1 [--port P] --size N --mode write|send
-    fabric_xfer.py client --fabric F --host h0 --peer h1 --port P --size N --mode write|send
+    python -m mrc.fabric.xfer server --fabric F --host h1 [--port P] --size N --mode M
+    python -m mrc.fabric.xfer client --fabric F --host h0 --peer h1 --port P --size N --mode M
 
 Both print JSON lines on stdout: the server {"event": "listening", "port": P}, the
 client {"event": "progress", ...} every `--progress` fraction, and both end with
