@@ -79,25 +79,56 @@ static void recv_complete(mrc_conn *c, mrc_op *r, const uint8_t *data, uint64_t 
  * against the posted RECVs when delivered). So only undelivered messages can
  * change an answer: a SEND may be placed straight into a posted RECV only if
  * matching it now gives the same answer as matching in message order would.
- * It does when every earlier message is known (an unknown one could have any
- * tag) and no earlier staged message, which will be matched first, could
- * take the RECV this one would get: the first posted RECV whose tag it
- * matches. Distinct tags (a stream) thus never wait behind a staged message.
+ *
+ * Matching in order is simulated: every earlier message must be known (an
+ * unknown one could have any tag); each earlier one not yet placed (staged,
+ * or refused and still to come) claims, in message order, the first posted
+ * RECV its tag matches that no one before it claimed, which is exactly the
+ * RECV it will take when delivered (new RECVs go behind, and placing a later
+ * message only takes an unclaimed one). This message gets the first
+ * unclaimed RECV its tag matches. So a stream of distinct tags, or of one
+ * tag into a ring of RECVs, is placed directly even while messages wait.
  */
-static mrc_op *rx_bind_recv(mrc_conn *c, struct rx_msg *m)
+#define MRC_BIND_SCAN 64 /* earlier unplaced messages simulated; more: staged */
+
+static bool claimed(mrc_op *r, mrc_op *const *set, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (set[i] == r)
+            return true;
+    return false;
+}
+
+static mrc_op *first_unclaimed(mrc_conn *c, uint64_t tag, mrc_op *const *set, int n)
 {
     mrc_op *r = c->recvq_head;
-    while (r && !tag_match(r->tag, m->key))
+    while (r && (!tag_match(r->tag, tag) || claimed(r, set, n)))
         r = r->next;
-    if (!r || r->len < m->msg_len)
-        return NULL; /* staged; truncation is reported at delivery */
+    return r;
+}
+
+static mrc_op *rx_bind_recv(mrc_conn *c, struct rx_msg *m)
+{
+    mrc_op *set[MRC_BIND_SCAN];
+    int n = 0;
+    if (!c->recvq_head)
+        return NULL;
     for (uint32_t msn = c->rx_deliver_msn; msn != m->msn; msn++) {
         struct rx_msg *e = &c->msgs[msn % MRC_MSGW];
         if (!e->used || e->msn != msn)
             return NULL;
-        if (e->type == MRC_PKT_SEND && !e->recv && tag_match(r->tag, e->key))
+        if (e->type != MRC_PKT_SEND || e->recv)
+            continue;
+        mrc_op *r = first_unclaimed(c, e->key, set, n);
+        if (!r)
+            continue; /* it will take a RECV posted later, or none */
+        if (n == MRC_BIND_SCAN)
             return NULL;
+        set[n++] = r;
     }
+    mrc_op *r = first_unclaimed(c, m->key, set, n);
+    if (!r || r->len < m->msg_len)
+        return NULL; /* staged; truncation is reported at delivery */
     recvq_unlink(c, r);
     return r;
 }
@@ -255,6 +286,7 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
             }
             c->staged_bytes += d->msg_len;
             c->undelivered_bytes += d->msg_len;
+            ep->st.staged_msgs++;
             c->staging++;
         }
         dst = (m->recv ? m->recv->mr->addr + m->recv->loff : m->stage) + d->offset;

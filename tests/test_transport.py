@@ -422,19 +422,22 @@ def test_receiver_that_stops_reading_makes_the_sender_wait() -> None:
         assert p.b.stats()["staged_bytes"] == 0
 
 
-def test_overtaken_message_is_admitted_when_staging_is_full() -> None:
-    """Regression (the 20 GiB soak stalled at 65%): with loss, messages overtake a lost
-    one on other paths and are staged until it arrives; once they filled max_unexpected,
-    the lost message itself was refused (RNR) for ever, so neither it nor they were ever
-    delivered. The next message to deliver must always get in."""
+@pytest.mark.parametrize("same_tag", [False, True], ids=["distinct-tags", "one-tag"])
+def test_overtaken_message_is_admitted_when_staging_is_full(same_tag: bool) -> None:
+    """Regression: with loss, messages overtake a lost one on other paths and are staged
+    until it arrives; once they filled max_unexpected, the lost message itself was
+    refused (RNR) for ever, so neither it nor they were ever delivered. The next message
+    to deliver must always get in. With one tag, each message must still land in the
+    RECV posted for it in order (placement now simulates in-order matching)."""
     msg, n, limit = 8192, 1000, 8 * 8192  # one packet per message; 8 staged fill it
     with connected_pair(4, max_unexpected=limit, timeout=2.0) as p:
         for plane in range(4):
             p.a.inject(plane, loss=0.02)
         src, dst = pattern(msg * n, 13), np.zeros(msg * n, np.uint8)
         ms, md = p.a.register(src), p.b.register(dst)
-        recvs = [p.cb.recv(md, offset=i * msg, length=msg, tag=i) for i in range(n)]
-        sends = [p.ca.send(ms, offset=i * msg, length=msg, tag=i) for i in range(n)]
+        tags = [7] * n if same_tag else list(range(n))
+        recvs = [p.cb.recv(md, offset=i * msg, length=msg, tag=tags[i]) for i in range(n)]
+        sends = [p.ca.send(ms, offset=i * msg, length=msg, tag=tags[i]) for i in range(n)]
         for op in sends + recvs:
             op.wait(timeout=30)
         assert sha(dst) == sha(src)
