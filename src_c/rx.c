@@ -89,7 +89,9 @@ static void recv_complete(mrc_conn *c, mrc_op *r, const uint8_t *data, uint64_t 
  * unclaimed RECV its tag matches. So a stream of distinct tags, or of one
  * tag into a ring of RECVs, is placed directly even while messages wait.
  */
-#define MRC_BIND_SCAN 64 /* earlier unplaced messages simulated; more: staged */
+/* Earlier unplaced messages simulated at most (each costs a walk of the
+ * posted RECVs, per packet while refused); beyond, the message is staged. */
+#define MRC_BIND_SCAN 16
 
 static bool claimed(mrc_op *r, mrc_op *const *set, int n)
 {
@@ -110,7 +112,7 @@ static mrc_op *first_unclaimed(mrc_conn *c, uint64_t tag, mrc_op *const *set, in
 static mrc_op *rx_bind_recv(mrc_conn *c, struct rx_msg *m)
 {
     mrc_op *set[MRC_BIND_SCAN];
-    int n = 0;
+    int n = 0, unplaced = 0;
     if (!c->recvq_head)
         return NULL;
     for (uint32_t msn = c->rx_deliver_msn; msn != m->msn; msn++) {
@@ -119,12 +121,11 @@ static mrc_op *rx_bind_recv(mrc_conn *c, struct rx_msg *m)
             return NULL;
         if (e->type != MRC_PKT_SEND || e->recv)
             continue;
-        mrc_op *r = first_unclaimed(c, e->key, set, n);
-        if (!r)
-            continue; /* it will take a RECV posted later, or none */
-        if (n == MRC_BIND_SCAN)
+        if (++unplaced > MRC_BIND_SCAN)
             return NULL;
-        set[n++] = r;
+        mrc_op *r = first_unclaimed(c, e->key, set, n);
+        if (r) /* else it will take a RECV posted later, or none */
+            set[n++] = r;
     }
     mrc_op *r = first_unclaimed(c, m->key, set, n);
     if (!r || r->len < m->msg_len)
