@@ -148,6 +148,7 @@ struct path {
     uint64_t delivered_ts;  /* send time of the latest packet acked on this path */
     /* failure detection */
     int consec_loss, probe_ok;
+    uint64_t loss_event_ns; /* when the last loss that counted was detected */
     uint32_t probe_seq;
     uint64_t probe_sent_ns, last_tx_ns, last_rx_ns;
     bool probe_out;
@@ -355,7 +356,7 @@ struct path *path_for_ack_pt(mrc_conn *c, int id);
 void path_set_state_pt(mrc_conn *c, struct path *p, int state, uint64_t now);
 void path_on_rtt_pt(struct path *p, uint64_t rtt, uint64_t now);
 void path_on_acked_pt(struct path *p, uint64_t bytes, uint64_t now);
-void path_on_loss_pt(mrc_conn *c, struct path *p, bool timeout, uint64_t now);
+void path_on_loss_pt(mrc_conn *c, struct path *p, bool timeout, uint64_t sent_ns, uint64_t now);
 void path_on_probe_ack_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t now);
 void path_timers_pt(mrc_conn *c, uint64_t now, bool busy);
 uint64_t path_rto(const struct path *p);

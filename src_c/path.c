@@ -63,8 +63,11 @@ uint64_t path_quick_rto(const struct path *p)
 {
     if (!p->srtt)
         return path_rto(p);
-    uint64_t rto = p->srtt + 4 * p->rttvar;
-    return rto > MRC_MIN_QUICK_RTO_NS ? rto : MRC_MIN_QUICK_RTO_NS;
+    /* At least 1 ms above srtt (RFC 6298's max(G, 4 rttvar)): batched
+     * ACKs make rttvar tiny, and a path whose srtt is 3 ms and rttvar 6 us
+     * was declared lost on a 3.1 ms silence. */
+    uint64_t var = 4 * p->rttvar;
+    return p->srtt + (var > MRC_MIN_QUICK_RTO_NS ? var : MRC_MIN_QUICK_RTO_NS);
 }
 
 static int path_class(const struct path *p)
@@ -223,8 +226,15 @@ void path_on_acked_pt(struct path *p, uint64_t bytes, uint64_t now)
         p->cwnd = 2 * pkt;
 }
 
-void path_on_loss_pt(mrc_conn *c, struct path *p, bool timeout, uint64_t now)
+void path_on_loss_pt(mrc_conn *c, struct path *p, bool timeout, uint64_t sent_ns, uint64_t now)
 {
+    /* One loss event, one count: packets sent before the last counted loss
+     * was detected (a burst in flight when a path stalled, all timing out
+     * in one timer scan) are the same evidence again. Counting each of them
+     * took a path from good through suspect to failed in one scan and
+     * flushed everything in flight on it, on a fabric with no faults. */
+    if (sent_ns < p->loss_event_ns)
+        return;
     if (!timeout && congested(p)) {
         /* Loss with queueing: congestion, not a broken path. */
         if (now - p->last_cut_ns > p->srtt) {
@@ -234,6 +244,7 @@ void path_on_loss_pt(mrc_conn *c, struct path *p, bool timeout, uint64_t now)
         }
         return;
     }
+    p->loss_event_ns = now;
     p->consec_loss++;
     if (p->state == MRC_PATH_FAILED)
         return;

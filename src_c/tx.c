@@ -275,7 +275,7 @@ void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
         if (q && q->delivered_ts > t->sent_ns) {
             c->ep->st.lost_rack++;
             tx_lose_pt(c, t);
-            path_on_loss_pt(c, q, false, now);
+            path_on_loss_pt(c, q, false, t->sent_ns, now);
         }
     }
 }
@@ -349,7 +349,7 @@ void tx_timers_pt(mrc_conn *c, uint64_t now)
          * silent packet was most likely refused too and its NAK lost, and
          * the paths are quiet because we are backing off: not their fault. */
         if (!c->rnr_backoff)
-            path_on_loss_pt(c, p, true, now);
+            path_on_loss_pt(c, p, true, t->sent_ns, now);
     }
 }
 
