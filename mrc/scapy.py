@@ -66,7 +66,7 @@ PKT_TYPES = {
     6: "PROBE_ACK",
     7: "CLOSE",
 }
-NAK_CODES = {1: "bad_key", 2: "bad_bounds"}
+NAK_CODES = {1: "bad_key", 2: "bad_bounds", 3: "rnr"}
 
 
 class MRC(Packet):  # type: ignore[misc]
@@ -192,6 +192,34 @@ def decode(pkt: Any) -> Any:
         return None
     data = bytes(pkt[UDP].payload)
     return MRC(data) if is_mrc(data) else None
+
+
+EXT_LEN = {1: 32, 2: 32, 3: 72, 4: 8}  # extension bytes after the header, by type
+
+
+def split(data: bytes) -> list[bytes]:
+    """The mrc packets in one UDP payload. The sender hands the kernel runs of packets
+    as one UDP GSO datagram; a capture taken before the stack cuts it (on lo or a
+    veth) shows them back to back, and each header's ``len`` says where the next one
+    starts. Trailing bytes that do not form a whole packet are left out."""
+    out = []
+    while is_mrc(data[:HDR_LEN]):
+        typ = data[3]
+        n = HDR_LEN + EXT_LEN.get(typ, 0)
+        if typ in (1, 2):
+            n += struct.unpack_from("<H", data, 6)[0]
+        if n > len(data):
+            break
+        out.append(data[:n])
+        data = data[n:]
+    return out
+
+
+def decode_all(pkt: Any) -> list[Any]:
+    """Every MRC packet a scapy packet carries (several when it is a GSO datagram)."""
+    if not pkt.haslayer(UDP):
+        return []
+    return [MRC(p) for p in split(bytes(pkt[UDP].payload))]
 
 
 def sack_psns(ack: Any) -> list[int]:

@@ -236,14 +236,24 @@ struct mrc_conn {
 struct txbatch {
     int n, sent;
     struct mmsghdr msg[MRC_BATCH];
-    struct iovec iov[MRC_BATCH][2];
+    struct iovec iov[MRC_BATCH][2];     /* header, payload: contiguous, so a run of
+                                         * packets is one iovec array (UDP GSO) */
     struct sockaddr_in6 dst[MRC_BATCH]; /* copies: a path may go before its packet */
     _Alignas(8) uint8_t hdr[MRC_BATCH][MRC_ACK_LEN];
+    /* What one sendmmsg passes: runs of equal-sized packets to one address
+     * merged into one UDP GSO datagram each (sock_flush_pt). */
+    struct mmsghdr gmsg[MRC_BATCH];
+    int gcount[MRC_BATCH];
+    union {
+        char buf[CMSG_SPACE(sizeof(uint16_t))];
+        struct cmsghdr align;
+    } gctl[MRC_BATCH];
 };
 static_assert(MRC_ACK_LEN >= MRC_DATA_HDR_LEN, "hdr slots fit every header");
 
 struct msock {
     int fd, plane, nsegs;
+    bool no_gso;        /* the kernel refused UDP GSO here: one datagram per packet */
     struct in6_addr segs[MRC_MAX_SEGS];
     struct txbatch batch;
 };

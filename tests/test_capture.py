@@ -45,6 +45,22 @@ def test_layer_round_trip_and_binding() -> None:
     assert mrc_capture.sack_ranges([100, 101, 103]) == [(100, 101), (103, 103)]
 
 
+def test_gso_datagram_splits_into_its_packets() -> None:
+    """A UDP GSO datagram caught before the stack cut it holds several mrc packets back
+    to back; decode_all finds each by its header's len (a trailing fragment is left)."""
+    from scapy.all import IP, UDP, raw
+
+    body = [bytes([i]) * (10 + i) for i in range(3)]
+    data = [raw(ms.MRC(type=1, psn=i) / ms.MRCData(msn=i) / body[i]) for i in range(3)]
+    ack = raw(ms.MRC(type=3, psn=7) / ms.MRCAck())
+    probe = raw(ms.MRC(type=5, psn=8))
+    blob = b"".join(data) + ack + probe + data[0][:30]
+    pkts = ms.decode_all(IP(raw(IP() / UDP(sport=1, dport=2) / blob)))
+    assert [m.type for m in pkts] == [1, 1, 1, 3, 5]
+    assert [m.psn for m in pkts] == [0, 1, 2, 7, 8]
+    assert [bytes(m[ms.MRCData].payload) for m in pkts[:3]] == body
+
+
 @pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("tcpdump") is None,
     reason="needs root and tcpdump (Debian package tcpdump)",

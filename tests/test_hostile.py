@@ -132,8 +132,8 @@ def live(nplanes: int = 1) -> Iterator[Live]:
         sn = sniff_udp({port for _, port in p.b.planes})
         p.ca.write(src, mr.descriptor(), length=3 * 8192 + 5).wait(timeout=10)
         time.sleep(0.2)
-        pkts = [ms.decode(k) for k in sn.stop()]
-        data = [m for m in pkts if m is not None and m.type == 1]
+        pkts = [m for k in sn.stop() for m in ms.decode_all(k)]
+        data = [m for m in pkts if m.type == 1]
         assert data, "the sniffer saw none of the warm-up write's packets"
         last = max(data, key=lambda m: (m.psn - data[0].psn) & 0xFFFFFFFF)
         yield Live(p, whole, region, unreg, mr, src, last, bytes(data[0]))

@@ -68,10 +68,7 @@ def summarise(packets: Any, port: int | None = None) -> dict[int, ConnStats]:
     if port is not None:
         ms.bind_port(port)
     conns: dict[int, ConnStats] = {}
-    for pkt in packets:
-        m = ms.decode(pkt)
-        if m is None:
-            continue
+    for m in (m for pkt in packets for m in ms.decode_all(pkt)):
         c = conns.setdefault(m.conn, ConnStats(m.conn))
         p = c.paths[m.path]
         if m.type in (1, 2):
