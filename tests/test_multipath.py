@@ -72,7 +72,7 @@ class Transfer:
             DST,
             ["--size", str(self.size), "--mode", mode, "--chunk", str(chunk)]
             + ["--timeout", str(timeout)],
-            client_args=["--progress", "0.02", "--stats-socket", self.sock],
+            client_args=["--progress", "0.02", "--stats-socket", self.sock, "--linger"],
         )
         self.x, self.client = x, x.client
         self.done_bytes = 0
@@ -109,6 +109,8 @@ class Transfer:
     def finish(self, timeout: float = 180) -> tuple[dict[str, Any], dict[str, Any]]:
         with self.cond:
             self.cond.wait_for(lambda: bool(self.result), timeout)
+        assert self.client.stdin is not None
+        self.client.stdin.close()  # the client lingers (stats socket) until this
         self.client.wait(timeout=30)
         server = self.x.server_result() if self.result.get("event") == "done" else {}
         self.x.kill()
@@ -194,7 +196,7 @@ def test_spine_fails(clean: Any, mode: str) -> None:
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_link_flaps_every_200ms(clean: Any, mode: str) -> None:
-    t = Transfer(clean, mode)
+    t = Transfer(clean, mode, size=GIB)  # several flaps at 4-5 Gb/s
     stop = threading.Event()
 
     def flap() -> None:
@@ -240,7 +242,8 @@ def test_all_links_drop_half_a_percent(clean: Any, mode: str) -> None:
 
 
 def test_healed_path_returns_and_carries_traffic(clean: Any) -> None:
-    t = Transfer(clean, "write", size=GIB)
+    # Long enough to still run when the healed paths are back (about 1 s at 5 Gb/s).
+    t = Transfer(clean, "write", size=2 * GIB)
     try:
         plane1 = path_ids(clean, lambda p: p.plane == 1)
         t.wait_fraction(0.1)

@@ -112,6 +112,7 @@ class RunningFabric:
             [*run, "client", "--host", src, "--peer", dst, "--port", str(port)]
             + [*common, *client_args],
             stdout=subprocess.PIPE,
+            stdin=subprocess.PIPE,  # closed by Xfer.kill (ends a client run with --linger)
         )
         return Xfer(server, client, port)
 
@@ -132,6 +133,8 @@ class Xfer:
         return json.loads(line) if line else {}
 
     def kill(self) -> None:
+        if self.client.stdin and not self.client.stdin.closed:
+            self.client.stdin.close()
         for p in (self.client, self.server):
             if p.poll() is None:
                 p.kill()

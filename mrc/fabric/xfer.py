@@ -149,6 +149,11 @@ def stream_server(fe: Any, conn: mrc.Connection, size: int, chunk: int) -> None:
 @click.option("--progress", default=0.05, help="Report every this fraction of the size.")
 @click.option("--timeline", is_flag=True, help="Report each operation's completion time.")
 @click.option("--seed", default=1)
+@click.option(
+    "--linger",
+    is_flag=True,
+    help="After the result, keep the endpoint (and stats) until stdin closes.",
+)
 def client(
     fabric: str,
     host: str,
@@ -163,6 +168,7 @@ def client(
     progress: float,
     timeline: bool,
     seed: int,
+    linger: bool,
 ) -> None:
     fe = fabric_endpoint(fabric, host, timeout=timeout)
     if stats_socket:
@@ -240,6 +246,8 @@ def client(
         out["chunk"] = chunk
         out["acked"] = samples
     emit(**out)
+    if linger:  # an observer may still read the final path states
+        sys.stdin.read()
     fe.close()
 
 
