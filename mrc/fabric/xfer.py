@@ -19,12 +19,15 @@ chunks; the server receives into a ring of buffers, posting the RECV for tag i i
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
 import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -33,7 +36,7 @@ import click  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mrc  # noqa: E402
-from mrc.paths import fabric_endpoint  # noqa: E402
+from mrc.paths import FabricEndpoint, fabric_endpoint  # noqa: E402
 
 # Control tags live above every data tag (stream mode tags chunk i with i + 1): a
 # 4 MiB chunk once matched the 8-byte "done" RECV at tag 0xD0E = 3342 (the soak stalled).
@@ -60,37 +63,56 @@ def cli() -> None:
     """Verified transfers between fabric hosts."""
 
 
+@dataclass
+class Job:
+    """What both ends are given: the fabric, this host and the transfer."""
+
+    fabric: str
+    host: str
+    port: int
+    size: int
+    mode: str
+    chunk: int
+    timeout: float
+    stats_socket: str | None
+
+    def endpoint(self) -> FabricEndpoint:
+        fe = fabric_endpoint(self.fabric, self.host, timeout=self.timeout)
+        if self.stats_socket:
+            fe.endpoint.serve_stats(self.stats_socket)
+        return fe
+
+
 def common(f: Any) -> Any:
-    for opt in [
-        click.option("--fabric", required=True, help="Fabric file."),
-        click.option("--host", required=True, help="This host's name in the fabric."),
-        click.option("--port", default=0, help="TCP port of the connection hello."),
-        click.option("--size", default=1 << 30, help="Bytes to transfer."),
-        click.option("--mode", type=click.Choice(["write", "send", "stream"]), default="write"),
-        click.option("--chunk", default=4 << 20, help="Bytes per operation."),
-        click.option("--timeout", default=5.0, help="Endpoint timeout, seconds."),
-        click.option("--stats-socket", default=None, help="Serve stats here (mrc-route live)."),
-    ]:
-        f = opt(f)
-    return f
+    """The options of a Job, handed to the command as its first argument."""
+    names = [fld.name for fld in dataclasses.fields(Job)]
+
+    @functools.wraps(f)
+    def with_job(**kw: Any) -> Any:
+        return f(Job(**{n: kw.pop(n) for n in names}), **kw)
+
+    for opt in reversed(
+        [
+            click.option("--fabric", required=True, help="Fabric file."),
+            click.option("--host", required=True, help="This host's name in the fabric."),
+            click.option("--port", default=0, help="TCP port of the connection hello."),
+            click.option("--size", default=1 << 30, help="Bytes to transfer."),
+            click.option("--mode", type=click.Choice(["write", "send", "stream"]), default="write"),
+            click.option("--chunk", default=4 << 20, help="Bytes per operation."),
+            click.option("--timeout", default=5.0, help="Endpoint timeout, seconds."),
+            click.option("--stats-socket", default=None, help="Serve stats here (mrc-route live)."),
+        ]
+    ):
+        with_job = opt(with_job)
+    return with_job
 
 
 @cli.command()
 @common
-def server(
-    fabric: str,
-    host: str,
-    port: int,
-    size: int,
-    mode: str,
-    chunk: int,
-    timeout: float,
-    stats_socket: str | None,
-) -> None:
-    fe = fabric_endpoint(fabric, host, timeout=timeout)
-    if stats_socket:
-        fe.endpoint.serve_stats(stats_socket)
-    emit(event="listening", port=fe.listen(port))
+def server(job: Job) -> None:
+    size, mode, chunk = job.size, job.mode, job.chunk
+    fe = job.endpoint()
+    emit(event="listening", port=fe.listen(job.port))
     conn = fe.accept(timeout=60)
     if mode == "stream":
         stream_server(fe, conn, size, chunk)
@@ -155,14 +177,7 @@ def stream_server(fe: Any, conn: mrc.Connection, size: int, chunk: int) -> None:
     help="After the result, keep the endpoint (and stats) until stdin closes.",
 )
 def client(
-    fabric: str,
-    host: str,
-    port: int,
-    size: int,
-    mode: str,
-    chunk: int,
-    timeout: float,
-    stats_socket: str | None,
+    job: Job,
     peer: str,
     depth: int,
     progress: float,
@@ -170,10 +185,9 @@ def client(
     seed: int,
     linger: bool,
 ) -> None:
-    fe = fabric_endpoint(fabric, host, timeout=timeout)
-    if stats_socket:
-        fe.endpoint.serve_stats(stats_socket)
-    conn = fe.connect(peer, port, timeout=30)
+    size, mode, chunk = job.size, job.mode, job.chunk
+    fe = job.endpoint()
+    conn = fe.connect(peer, job.port, timeout=30)
     remote = None
     if mode != "stream":
         desc = np.zeros(16, np.uint8)
