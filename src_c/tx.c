@@ -178,7 +178,10 @@ static void tx_ack_one_pt(mrc_conn *c, uint32_t psn, uint64_t now)
         return;
     t->acked = 1;
     c->last_acked_ns = now;
-    c->rnr_backoff = 0;
+    /* The receiver is ready again once it takes a packet sent since it first
+     * refused; a late ACK for an older one says nothing about that. */
+    if (c->rnr_backoff && t->sent_ns > c->rnr_since)
+        c->rnr_backoff = 0;
     c->ep->st.acked_bytes += t->len;
     struct path *p = conn_path(c, t->path);
     if (p) {
@@ -287,6 +290,8 @@ static void tx_on_rnr_pt(mrc_conn *c, struct path *p, struct tx_pkt *t, uint64_t
 {
     c->ep->st.rnr_naks++;
     c->last_progress_ns = now;
+    if (!c->rnr_backoff)
+        c->rnr_since = now;
     c->rnr_backoff = c->rnr_backoff ? c->rnr_backoff * 2 : MRC_RNR_MIN_NS;
     if (c->rnr_backoff > MRC_RNR_MAX_NS)
         c->rnr_backoff = MRC_RNR_MAX_NS;

@@ -422,6 +422,38 @@ def test_receiver_that_stops_reading_makes_the_sender_wait() -> None:
         assert p.b.stats()["staged_bytes"] == 0
 
 
+def test_receiver_not_ready_blames_no_path() -> None:
+    """Regression (found by the soak): while the receiver refused (RNR), NAKs did not
+    count as the path being alive and a packet whose NAK was lost timed out and blamed
+    its path, so healthy paths cycled through suspect and failed thousands of times.
+    With 3% of the receiver's answers lost, paths change state only for lost probe
+    answers (a keepalive probe unanswered: suspect, then good again; two in a row:
+    failed, probing, good)."""
+    limit, msg, n = 2 << 20, 1 << 20, 16
+    with connected_pair(4, max_unexpected=limit, timeout=5.0) as p:
+        for plane in range(4):
+            p.b.inject(plane, loss=0.03)  # the receiver's ACKs, NAKs and probe answers
+        src, dst = pattern(msg * n, 21), np.zeros(msg * n, np.uint8)
+        ms, md = p.a.register(src), p.b.register(dst)
+        sends = [p.ca.send(ms, offset=i * msg, length=msg, tag=5) for i in range(n)]
+        deadline = time.monotonic() + 10
+        while p.a.stats()["rnr_naks"] < 50 and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling an external observation: the sender's counter
+        with pytest.raises(mrc.TimeoutError):
+            sends[-1].wait(timeout=1.0)  # a second of refusals, NAKs lost on the way
+        st = p.a.stats()
+        assert st["rnr_naks"] >= 50
+        changes = {q["path"]: q["state_changes"] for q in st["paths"]}
+        assert st["lost_rto"] > 0  # NAKs were lost: packets timed out while refused
+        assert sum(changes.values()) <= 4 * st["probe_timeouts"], (
+            f"paths changed state while refused: {changes}, {st['probe_timeouts']} probes lost"
+        )
+        recvs = [p.cb.recv(md, offset=i * msg, length=msg, tag=5) for i in range(n)]
+        for op in sends + recvs:
+            op.wait(timeout=60)
+        assert sha(dst) == sha(src)
+
+
 @pytest.mark.parametrize("same_tag", [False, True], ids=["distinct-tags", "one-tag"])
 def test_overtaken_message_is_admitted_when_staging_is_full(same_tag: bool) -> None:
     """Regression: with loss, messages overtake a lost one on other paths and are staged
