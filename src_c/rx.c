@@ -271,9 +271,9 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
              * failing. The next message to deliver is measured against the
              * unexpected bytes only: messages that overtook it on other paths
              * (already acknowledged, so they cannot be dropped) must not
-             * keep it out, or neither it nor they are ever delivered (the
-             * 20 GiB soak stalled so). Total staging stays below twice
-             * max_unexpected. Zeroed: a message delivered with holes (a peer
+             * keep it out, or neither it nor they are ever delivered
+             * (test_overtaken_message_is_admitted_when_staging_is_full).
+             * Total staging stays below twice max_unexpected. Zeroed: a message delivered with holes (a peer
              * that lies about FIRST/LAST) must not expose old heap contents. */
             uint64_t used = c->staged_bytes;
             if (d->msn == c->rx_deliver_msn)
