@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import pattern, planes, sha
+from helpers import connected_pair, pattern, planes, sha
 
 import mrc
 
@@ -76,13 +76,8 @@ def test_1000_connections() -> None:
 
 def test_10000_regions() -> None:
     n = 10000
-    with mrc.Endpoint(planes(1, 0)) as a, mrc.Endpoint(planes(1, 1)) as b:
-        port = b.listen()
-        got: list[mrc.Connection] = []
-        t = threading.Thread(target=lambda: got.append(b.accept(timeout=10)))
-        t.start()
-        ca = a.connect(b.planes[0][0], port, timeout=10)
-        t.join()
+    with connected_pair(1) as p:
+        a, b, ca = p.a, p.b, p.ca
         buf = np.zeros((n, 256), np.uint8)
         regions = [b.register(buf[i]) for i in range(n)]
         keys = {r.key for r in regions}
@@ -104,28 +99,21 @@ def test_10000_regions() -> None:
 
 
 def test_endpoint_close_with_operations_in_flight() -> None:
-    a = mrc.Endpoint(planes(2, 0))
-    b = mrc.Endpoint(planes(2, 1))
-    port = b.listen()
-    got: list[mrc.Connection] = []
-    t = threading.Thread(target=lambda: got.append(b.accept(timeout=10)))
-    t.start()
-    ca = a.connect(b.planes[0][0], port, timeout=10)
-    t.join()
-    cb = got[0]
-    size = 16 << 20
-    src, dst = pattern(size, 2), np.zeros(size, np.uint8)
-    ms, md = a.register(src), b.register(dst)
-    writes = [ca.write(ms, md.descriptor()) for _ in range(8)]
-    sends = [ca.send(ms, length=100_000, tag=1) for _ in range(4)]  # staged at b
-    recvs = [cb.recv(md, length=1000, tag=2) for _ in range(4)]  # never matched
-    a.close()
-    b.close()
-    for op in writes + sends + recvs:
-        try:
-            op.wait(timeout=10)
-        except mrc.MrcError as e:  # a clear error, never a hang
-            assert isinstance(e, (mrc.ConnectionClosedError, mrc.TimeoutError)), e
-        assert op.done
-    with pytest.raises(mrc.MrcError):
-        ca.write(ms, md.descriptor())
+    with connected_pair(2) as p:
+        a, b, ca, cb = p.a, p.b, p.ca, p.cb
+        size = 16 << 20
+        src, dst = pattern(size, 2), np.zeros(size, np.uint8)
+        ms, md = a.register(src), b.register(dst)
+        writes = [ca.write(ms, md.descriptor()) for _ in range(8)]
+        sends = [ca.send(ms, length=100_000, tag=1) for _ in range(4)]  # staged at b
+        recvs = [cb.recv(md, length=1000, tag=2) for _ in range(4)]  # never matched
+        a.close()
+        b.close()
+        for op in writes + sends + recvs:
+            try:
+                op.wait(timeout=10)
+            except mrc.MrcError as e:  # a clear error, never a hang
+                assert isinstance(e, (mrc.ConnectionClosedError, mrc.TimeoutError)), e
+            assert op.done
+        with pytest.raises(mrc.MrcError):
+            ca.write(ms, md.descriptor())

@@ -151,18 +151,24 @@ def states(paths: list[dict[str, Any]], ids: set[int]) -> set[str]:
     return {p["state"] for p in paths if p["path"] in ids}
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_plane_fails_mid_transfer(clean: Any, mode: str) -> None:
-    t = Transfer(clean, mode, size=GIB if mode == "write" else GIB // 2)
+def fails_mid_transfer(t: Transfer, fab: Any, element: str, ids: set[int]) -> None:
+    """Fails `element` a quarter into t: the paths `ids` are marked failed within 1 s
+    and the transfer still completes byte-exact."""
     try:
-        plane1 = path_ids(clean, lambda p: p.plane == 1)
+        assert ids
         t.wait_fraction(0.25)
-        clean.fail("plane1")
-        took = t.wait_paths(lambda ps: states(ps, plane1) == {"failed"}, timeout=5)
-        assert took < 1.0, f"plane 1's paths took {took:.3f} s to be marked failed"
+        fab.fail(element)
+        took = t.wait_paths(lambda ps: states(ps, ids) == {"failed"}, timeout=5)
+        assert took < 1.0, f"paths through {element} took {took:.3f} s to be marked failed"
         verified(t)
     finally:
         t.kill()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_plane_fails_mid_transfer(clean: Any, mode: str) -> None:
+    t = Transfer(clean, mode, size=GIB if mode == "write" else GIB // 2)
+    fails_mid_transfer(t, clean, "plane1", path_ids(clean, lambda p: p.plane == 1))
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -182,16 +188,7 @@ def test_three_of_four_planes_fail(clean: Any, mode: str) -> None:
 @pytest.mark.parametrize("mode", list(MODES))
 def test_spine_fails(clean: Any, mode: str) -> None:
     t = Transfer(clean, mode)
-    try:
-        via = path_ids(clean, lambda p: p.spine == "p0s1")
-        assert via
-        t.wait_fraction(0.25)
-        clean.fail("p0s1")
-        took = t.wait_paths(lambda ps: states(ps, via) == {"failed"}, timeout=5)
-        assert took < 1.0, f"paths via p0s1 took {took:.3f} s to be marked failed"
-        verified(t)
-    finally:
-        t.kill()
+    fails_mid_transfer(t, clean, "p0s1", path_ids(clean, lambda p: p.spine == "p0s1"))
 
 
 @pytest.mark.parametrize("mode", list(MODES))
