@@ -30,6 +30,7 @@
 #include "internal.h"
 #include "mrc.h"
 #include "mrc_testing.h"
+#include "tests/connect.h"
 
 #define REGION 65536u
 #define GUARD 4096u
@@ -70,14 +71,6 @@ static mrc_ep *ep_new(const char *addr)
     return ep;
 }
 
-static void *server(void *arg)
-{
-    (void)arg;
-    OK(mrc_ep_accept(ep_b, 5000, &conn_b));
-    OK(mrc_conn_establish(conn_b, 5000));
-    return NULL;
-}
-
 static void recvs_post(void)
 {
     for (int i = 0; i < NRECV; i++) {
@@ -94,11 +87,7 @@ static void recvs_post(void)
 
 static void conns_up(void)
 {
-    pthread_t t;
-    pthread_create(&t, NULL, server, NULL);
-    OK(mrc_conn_create(ep_a, "fuzz-a", &conn_a));
-    OK(mrc_conn_connect(conn_a, "127.0.1.1", listen_port, 5000));
-    pthread_join(t, NULL);
+    OK(connect_pair(ep_a, ep_b, "127.0.1.1", listen_port, "fuzz-a", &conn_a, &conn_b));
     recvs_post();
 }
 

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "connect.h"
 #include "mrc.h"
 
 static mrc_ep *a, *b;
@@ -28,24 +29,12 @@ static mrc_ep *ep_new(const char *addr)
     return ep;
 }
 
-static void *server(void *arg)
-{
-    (void)arg;
-    CHECK_RC(mrc_ep_accept(b, 5000, &cb));
-    CHECK_RC(mrc_conn_establish(cb, 5000));
-    return NULL;
-}
-
 static void pair_up(void)
 {
     a = ep_new("127.0.0.1");
     b = ep_new("127.0.1.1");
     CHECK_RC(mrc_ep_listen(b, NULL, 0, &port));
-    pthread_t t;
-    pthread_create(&t, NULL, server, NULL);
-    CHECK_RC(mrc_conn_create(a, "a", &ca));
-    CHECK_RC(mrc_conn_connect(ca, "127.0.1.1", port, 5000));
-    pthread_join(t, NULL);
+    CHECK_RC(connect_pair(a, b, "127.0.1.1", port, "a", &ca, &cb));
 }
 
 /* Done, and either succeeded or failed with a connection error. */

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "connect.h"
 #include "mrc.h"
 
 #define NPLANES 4
@@ -22,14 +23,6 @@ struct pair {
     mrc_conn *ca, *cb;
     uint16_t port;
 };
-
-static void *server(void *arg)
-{
-    struct pair *p = arg;
-    CHECK_RC(mrc_ep_accept(p->b, 5000, &p->cb));
-    CHECK_RC(mrc_conn_establish(p->cb, 5000));
-    return NULL;
-}
 
 static mrc_ep *ep_new(int base)
 {
@@ -49,11 +42,7 @@ static void pair_up(struct pair *p)
     p->a = ep_new(0);
     p->b = ep_new(1);
     CHECK_RC(mrc_ep_listen(p->b, NULL, 0, &p->port));
-    pthread_t t;
-    pthread_create(&t, NULL, server, p);
-    CHECK_RC(mrc_conn_create(p->a, "a", &p->ca));
-    CHECK_RC(mrc_conn_connect(p->ca, "127.0.1.1", p->port, 5000));
-    pthread_join(t, NULL);
+    CHECK_RC(connect_pair(p->a, p->b, "127.0.1.1", p->port, "a", &p->ca, &p->cb));
     CHECK(mrc_conn_npaths(p->ca) == NPLANES);
 }
 
