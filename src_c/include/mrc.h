@@ -45,6 +45,10 @@ enum mrc_err {
     MRC_EUSAGE = -5009,    /* invalid argument for this call */
     MRC_EREMOTE = -5010,   /* connection failed after a remote access error */
     MRC_ENOBUFS = -5011,   /* a fixed-size table is full */
+    MRC_EBUSY = -5012,     /* object still in use by pending operations */
+    MRC_ERNR = -5013,      /* receiver not ready: the peer posted no RECV within the RNR limit */
+    MRC_EABORT = -5014,    /* aborted by the caller (collectives: mrc_coll_abort) */
+    MRC_EMISMATCH = -5015, /* collectives: ranks called with different arguments */
 };
 
 const char *mrc_strerror(int rc);
@@ -160,6 +164,54 @@ void mrc_op_release(mrc_op *op);
 /* Immediate values of WRITE-with-immediate received on the connection, in
  * order: 0 and the value, or -ETIMEDOUT. */
 int mrc_conn_wait_imm(mrc_conn *c, int timeout_ms, uint32_t *imm, uint64_t *len);
+
+/* ---- completion queues --------------------------------------------------
+ * CONTRACT (issue 10; implemented in src_c/cq.c). A CQ belongs to one endpoint.
+ * Operations posted with mrc_post() and a cq complete there with the post's
+ * 64-bit ctx; immediates of a connection bound with mrc_conn_set_cq() arrive
+ * there as MRC_WC_IMM entries instead of on mrc_conn_wait_imm(). Only waiters
+ * of this CQ are woken by its completions. mrc_cq_fd() is readable (an eventfd)
+ * while completions wait, so a CQ can join epoll/selectors/asyncio. */
+typedef struct mrc_cq mrc_cq;
+
+enum mrc_wc_kind { MRC_WC_WRITE = 1, MRC_WC_SEND = 2, MRC_WC_RECV = 3, MRC_WC_IMM = 4 };
+
+struct mrc_wc {
+    uint64_t ctx;    /* the post's ctx; MRC_WC_IMM: the connection's ctx (mrc_conn_set_cq) */
+    int status;      /* 0 or a negative code */
+    int kind;        /* enum mrc_wc_kind */
+    uint64_t bytes;  /* bytes transferred (RECV: message length; IMM: write length) */
+    uint64_t tag;    /* RECV: tag of the matched message */
+    uint32_t imm;    /* MRC_WC_IMM: the immediate value */
+    mrc_conn *conn;  /* the connection it happened on */
+};
+
+int mrc_cq_create(mrc_ep *ep, mrc_cq **out);
+/* MRC_EBUSY while operations posted to it are pending or connections bound to it
+ * live. mrc_ep_destroy frees CQs left open. */
+int mrc_cq_destroy(mrc_cq *cq);
+int mrc_cq_fd(const mrc_cq *cq);
+/* Up to max completions, never blocks: returns how many (>= 0) or a negative code. */
+int mrc_cq_poll(mrc_cq *cq, struct mrc_wc *wc, int max);
+/* Like poll, but blocks until at least one (returns n > 0) or -ETIMEDOUT;
+ * timeout_ms < 0 waits forever. */
+int mrc_cq_wait(mrc_cq *cq, struct mrc_wc *wc, int max, int timeout_ms);
+int mrc_conn_set_cq(mrc_conn *c, mrc_cq *cq, uint64_t ctx);
+
+/* One work request: the general form of mrc_post_write/send/recv. */
+struct mrc_wr {
+    int kind;                  /* MRC_OP_WRITE, MRC_OP_SEND, MRC_OP_RECV */
+    int flags;                 /* MRC_WRITE_IMM */
+    mrc_mr *mr;                /* local region */
+    uint64_t loff, len;
+    uint64_t rkey, roff;       /* WRITE */
+    uint32_t imm;              /* WRITE with MRC_WRITE_IMM */
+    uint64_t tag;              /* SEND, RECV (MRC_TAG_ANY) */
+    mrc_cq *cq;                /* NULL: complete only on the op handle */
+    uint64_t ctx;              /* returned in the mrc_wc */
+};
+/* out may be NULL when wr->cq is set: the completion is then seen only on the CQ. */
+int mrc_post(mrc_conn *c, const struct mrc_wr *wr, mrc_op **out);
 
 /* ---- telemetry ----------------------------------------------------------- */
 
