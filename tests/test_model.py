@@ -334,7 +334,8 @@ def test_cli_json_has_exactly_the_keys() -> None:
     obj = json.loads(res.output)
     assert list(obj) == list(m.KEYS)
     assert set(obj) == {"ring", "split_opt", "split_x", "lower_bound", "mrc", "healthy", "y_opt"}
-    assert obj == pytest.approx(m.closed_forms(4, 0.25), rel=1e-12)
+    assert obj == pytest.approx(m.closed_forms(4, 0.25), rel=1e-14)
+    assert obj["mrc"] == obj["lower_bound"] == 1.6  # printed to 15 digits: no 1.6000000000000003
 
 
 def test_cli_entry_point_json() -> None:

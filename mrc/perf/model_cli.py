@@ -170,7 +170,8 @@ def model(ranks: list[int], lost: list[float], as_json: bool, plot_file: str | N
                 f"(got {len(ranks)} and {len(lost)})"
             )
         row = m.summary(ranks[0], lost[0])
-        click.echo(json.dumps({k: row[k] for k in m.KEYS}))
+        # 15 significant digits: the model's own rounding (1.6000000000000003) is noise.
+        click.echo(json.dumps({k: float(f"{row[k]:.15g}") for k in m.KEYS}))
     else:
         print_table(ranks, lost)
     if plot_file:
