@@ -296,6 +296,13 @@ def test_planner_small_messages_keep_equal_shares() -> None:
     assert m.plan(rates, 8, alpha=0.0).name == "resilient"
 
 
+def test_planner_without_phase_overlap_keeps_equal_shares() -> None:
+    rates = [5e8, 3.75e8, 5e8, 5e8]
+    p = m.plan(rates, 64 << 20, alpha=30e-6, overlap=False)
+    assert p.name == "equal"
+    assert close(p.predicted, 2 * 30e-6 + m.ring_time(rates, rates, 64 << 20))
+
+
 def test_planner_takes_pairs_and_agreed_vectors() -> None:
     pairs = [(5e8, 5e8), (3.75e8, 3.75e8), (5e8, 5e8), (5e8, 5e8)]
     assert m.plan(pairs, 64 << 20).shares == m.plan([p[0] for p in pairs], 64 << 20).shares

@@ -456,9 +456,12 @@ class Plan(NamedTuple):
     predicted: float
 
 
-def candidates(bandwidths: Any, nbytes: float, alpha: float = 0.0) -> list[Candidate]:
+def candidates(
+    bandwidths: Any, nbytes: float, alpha: float = 0.0, *, overlap: bool = True
+) -> list[Candidate]:
     """Every modelled AllReduce for these per-rank bandwidths (bytes/s; see
-    split_bandwidths), nbytes per rank and alpha seconds per dependent hop."""
+    split_bandwidths), nbytes per rank and alpha seconds per dependent hop. overlap: the
+    executor runs a chunk's all-gather while later chunks reduce-scatter (share_time)."""
     s, g = split_bandwidths(bandwidths)
     d = _check_nbytes(nbytes)
     alpha = float(alpha)
@@ -474,11 +477,11 @@ def candidates(bandwidths: Any, nbytes: float, alpha: float = 0.0) -> list[Candi
     lat_ring = 2 * (n - 1) * alpha
     return [
         Candidate(
-            "equal", equal, lat_direct + share_time(equal, s, g, d), True,
+            "equal", equal, lat_direct + share_time(equal, s, g, d, overlap=overlap), True,
             "direct RS+AG, equal shares: the healthy schedule (a ring's bytes)",
         ),
         Candidate(
-            "resilient", best, lat_direct + share_time(best, s, g, d), True,
+            "resilient", best, lat_direct + share_time(best, s, g, d, overlap=overlap), True,
             "direct RS+AG, shares (T0 m_r - 1)/(n-2): meets the bound when s_r = g_r",
         ),
         Candidate(
@@ -496,14 +499,23 @@ def candidates(bandwidths: Any, nbytes: float, alpha: float = 0.0) -> list[Candi
     ]  # fmt: skip
 
 
-def plan(bandwidths: Any, nbytes: float, alpha: float = 0.0, *, min_gain: float = MIN_GAIN) -> Plan:
+def plan(
+    bandwidths: Any,
+    nbytes: float,
+    alpha: float = 0.0,
+    *,
+    min_gain: float = MIN_GAIN,
+    overlap: bool = True,
+) -> Plan:
     """The schedule to run: the fastest runnable candidate, except that equal shares stay
     unless the other is predicted at least `min_gain` (a fraction) faster. Equal bandwidths
     give equal shares; a rank that lost a plane gives the resilient shares for large
-    messages; small ones, where 2 alpha dwarfs the bytes, keep equal shares."""
+    messages; small ones, where 2 alpha dwarfs the bytes, keep equal shares. With
+    overlap=False (an executor with a barrier between the phases) no shares beat equal
+    ones when the ranks' two directions match, so the plan stays equal."""
     if not 0.0 <= min_gain < 1.0:
         raise UsageError(f"min_gain must be a fraction in [0, 1), got {min_gain!r}")
-    table = [c for c in candidates(bandwidths, nbytes, alpha) if c.runnable]
+    table = [c for c in candidates(bandwidths, nbytes, alpha, overlap=overlap) if c.runnable]
     base = table[0]
     assert base.name == "equal" and base.shares is not None
     pick = base
