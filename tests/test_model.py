@@ -567,6 +567,10 @@ def test_agree_mixed_sources_count_planes_and_dead_rank_is_named() -> None:
     ]
     a = bw.agree(mixed)
     assert a.source == "planes" and a.send == (4.0, 3.0, 4.0) and a.levels[1] == (48, 48)
+    in_bytes = a.scaled(125e6)  # one 1 Gbit/s plane
+    assert in_bytes.send == (500e6, 375e6, 500e6) and in_bytes.levels == a.levels
+    assert m.plan(in_bytes, 512, alpha=30e-6).name == "equal"
+    assert m.plan(in_bytes, 64 << 20, alpha=30e-6).name == "resilient"
     dead = [bw.RankBandwidth(5e8, 5e8, 15, 4, "fabric"), bw.RankBandwidth(0.0, 0.0, 0, 4, "fabric")]
     with pytest.raises(UsageError, match=r"no usable bandwidth on rank\(s\) 1 \(send 0, recv 0\)"):
         bw.agree(dead)

@@ -262,6 +262,21 @@ class AgreedBandwidths:
     source: str
     planes: tuple[tuple[int, int], ...]  # per rank (up_mask, nplanes), for the log
 
+    def scaled(self, bytes_per_unit: float) -> AgreedBandwidths:
+        """The same agreement with rates multiplied: for source "planes", pass one plane's
+        rate in bytes/s so that plan()'s alpha term and its rates share units."""
+        if not math.isfinite(bytes_per_unit) or bytes_per_unit <= 0.0:
+            raise UsageError(f"bytes_per_unit must be > 0, got {bytes_per_unit!r}")
+        return AgreedBandwidths(
+            tuple(v * bytes_per_unit for v in self.send),
+            tuple(v * bytes_per_unit for v in self.recv),
+            self.levels,
+            self.scale,
+            self.unit * bytes_per_unit,
+            self.source,
+            self.planes,
+        )
+
     def describe(self) -> str:
         """One line per rank: what the planner's log shows next to its choice."""
         out = []
