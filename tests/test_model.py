@@ -326,6 +326,8 @@ def test_model_rejects_bad_input_naming_it() -> None:
         m.plan([1.0, float("nan")], 10)
     with pytest.raises(UsageError, match="alpha"):
         m.plan([1.0, 1.0], 10, alpha=-1)
+    with pytest.raises(UsageError, match=r"bw_send\[1\] = 'fast' is not a number"):
+        m.plan([1.0, "fast"], 10)
     with pytest.raises(UsageError, match="degraded rank 4"):
         m.r2cc_shares(4, 4, 0.5)
 

@@ -59,9 +59,19 @@ def _check_fraction(x: object, what: str = "lost fraction X") -> float:
     return float(x)
 
 
+def _floats(values: Sequence[float], name: str) -> list[float]:
+    out = []
+    for r, v in enumerate(values):
+        try:
+            out.append(float(v))
+        except (TypeError, ValueError):
+            raise UsageError(f"{name}[{r}] = {v!r} is not a number") from None
+    return out
+
+
 def _check_rates(bw_send: Rates, bw_recv: Rates) -> tuple[list[float], list[float]]:
-    s = [float(v) for v in bw_send]
-    g = [float(v) for v in bw_recv]
+    s = _floats(bw_send, "bw_send")
+    g = _floats(bw_recv, "bw_recv")
     if len(s) != len(g):
         raise UsageError(
             f"bw_send has {len(s)} ranks but bw_recv has {len(g)}: one rate per rank each"
@@ -79,7 +89,7 @@ def _check_rates(bw_send: Rates, bw_recv: Rates) -> tuple[list[float], list[floa
 
 
 def _check_shares(shares: Sequence[float], n: int) -> list[float]:
-    sh = [float(v) for v in shares]
+    sh = _floats(shares, "shares")
     if len(sh) != n:
         raise UsageError(f"{len(sh)} shares for {n} ranks: one share per rank")
     for r, v in enumerate(sh):
@@ -142,17 +152,17 @@ def ring_time(bw_send: Rates, bw_recv: Rates, nbytes: float = 1.0) -> float:
 def direct_bytes(shares: Sequence[float]) -> list[tuple[float, float]]:
     """(sent, received) per rank of the direct reduce-scatter + all-gather, in units of D.
 
-    Rank r owns shares[r] of the elements. Reduce-scatter: r sends every other owner o its
-    slice of o's share, (1 - s_r) D in all, and receives n-1 slices of its own, (n-1) s_r D.
-    All-gather: r sends its reduced share to the n-1 others, (n-1) s_r D, and receives the
-    rest, (1 - s_r) D. Both directions carry (1 + (n-2) s_r) D.
+    Rank r owns f_r = shares[r] of the elements. Reduce-scatter: r sends every other owner o its
+    slice of o's share, (1 - f_r) D in all, and receives n-1 slices of its own, (n-1) f_r D.
+    All-gather: r sends its reduced share to the n-1 others, (n-1) f_r D, and receives the
+    rest, (1 - f_r) D. Both directions carry (1 + (n-2) f_r) D.
     """
     n = len(shares)
     sh = _check_shares(shares, n)
     out = []
-    for s_r in sh:
-        rs_send, rs_recv = 1.0 - s_r, (n - 1) * s_r
-        ag_send, ag_recv = (n - 1) * s_r, 1.0 - s_r
+    for f_r in sh:
+        rs_send, rs_recv = 1.0 - f_r, (n - 1) * f_r
+        ag_send, ag_recv = (n - 1) * f_r, 1.0 - f_r
         out.append((rs_send + ag_send, rs_recv + ag_recv))
     return out
 
@@ -218,7 +228,7 @@ def shares(bw_send: Rates, bw_recv: Rates) -> list[float]:
 
     With m_r = min(s_r, g_r) (a rank sends and receives the same bytes, so the slower
     direction binds), the optimum time is T0 = max(max_r 1/m_r, 2(n-1)/sum(m)) and every
-    rank reaches it with s_r = (T0 m_r - 1)/(n-2): affine in the rank's rate, not
+    rank reaches it with share f_r = (T0 m_r - 1)/(n-2): affine in the rank's rate, not
     proportional. When one rank is so slow that 1/m_r dominates, these sum to more than 1;
     scaling them down to 1 leaves the slow rank at 0 and everyone else under T0.
     Equal rates give exactly 1/n each. With n <= 2 every share costs the same; equal then.
