@@ -578,3 +578,26 @@ def test_agree_mixed_sources_count_planes_and_dead_rank_is_named() -> None:
         bw.agree(dead)
     with pytest.raises(UsageError, match="no bandwidth records"):
         bw.agree([])
+
+
+def test_tracker_reports_plane_changes() -> None:
+    t = bw.Tracker(plane_rates=RATES_1G)
+    assert not t.needs_agreement()
+    with pytest.raises(UsageError, match="before any observe"):
+        t.reported()
+    t.observe(fake_stats(), 0.0)
+    assert t.needs_agreement()
+    assert bw.unpack(t.reported()).send == 500e6 and not t.needs_agreement()
+    t.observe(fake_stats({(0, 2): "suspect"}), 1.0)  # still usable: nothing to agree
+    assert not t.needs_agreement()
+    t.observe(fake_stats({(-1, 2): "failed"}), 2.0)
+    assert t.needs_agreement() and bw.unpack(t.reported()).planes_down == (2,)
+    t.observe(fake_stats(), 3.0)  # healed
+    assert t.needs_agreement()
+
+
+def test_tracker_measures_between_snapshots() -> None:
+    t = bw.Tracker(nplanes=4)
+    assert t.observe(fake_stats(), 10.0).source == "planes"  # nothing to compare with yet
+    got = t.observe(fake_stats(nbytes=dict.fromkeys(range(4), 5_000_000)), 10.5)
+    assert got.source == "measured" and got.send == 4 * 6 * 5e6 / 0.5

@@ -369,3 +369,46 @@ def agree(
 def changed(previous: AgreedBandwidths | None, new: AgreedBandwidths) -> bool:
     """Whether the plan may differ: another source or any rank on another step."""
     return previous is None or previous.source != new.source or previous.levels != new.levels
+
+
+class Tracker:
+    """One rank's bandwidth over time, for the communicator: feed it stats snapshots (with
+    the time they were taken), read the record to exchange, and whether it changed in a
+    way that needs a new agreement (a plane failed or came back). Pure: no clock, no I/O.
+    """
+
+    def __init__(
+        self, *, nplanes: int | None = None, plane_rates: Sequence[float] | None = None
+    ) -> None:
+        self.nplanes = nplanes
+        self.plane_rates = list(plane_rates) if plane_rates is not None else None
+        self._prev: tuple[Mapping[str, Any], float] | None = None
+        self._reported: RankBandwidth | None = None
+        self.current: RankBandwidth | None = None
+
+    def observe(self, stats: Mapping[str, Any], now: float) -> RankBandwidth:
+        """This rank's bandwidth from the newest snapshot (measured against the previous
+        one when there are no plane rates)."""
+        prev, interval = None, None
+        if self.plane_rates is None and self._prev is not None and now > self._prev[1]:
+            prev, interval = self._prev[0], now - self._prev[1]
+        self.current = rank_bandwidth(
+            stats, nplanes=self.nplanes, plane_rates=self.plane_rates, prev=prev, interval=interval
+        )
+        self._prev = (stats, now)
+        return self.current
+
+    def needs_agreement(self) -> bool:
+        """True until the current record is reported, and again once the set of usable
+        planes differs from the one last reported (rates alone drift: the agreement's
+        quantisation and hysteresis deal with them at the next periodic exchange)."""
+        if self.current is None:
+            return False
+        return self._reported is None or self._reported.up_mask != self.current.up_mask
+
+    def reported(self) -> bytes:
+        """The record to exchange now; marks it reported."""
+        if self.current is None:
+            raise UsageError("Tracker.reported() before any observe(): nothing to report")
+        self._reported = self.current
+        return pack(self.current)
