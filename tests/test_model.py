@@ -10,6 +10,7 @@ import itertools
 import json
 import subprocess
 import sys
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -601,3 +602,26 @@ def test_tracker_measures_between_snapshots() -> None:
     assert t.observe(fake_stats(), 10.0).source == "planes"  # nothing to compare with yet
     got = t.observe(fake_stats(nbytes=dict.fromkeys(range(4), 5_000_000)), 10.5)
     assert got.source == "measured" and got.send == 4 * 6 * 5e6 / 0.5
+
+
+def test_docs_table_is_the_model() -> None:
+    """docs/collectives-model.md's table of numbers is what the model computes now."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "collectives-model.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    seen = 0
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) != 8:
+            continue
+        n, x = int(cells[0]), float(Fraction(cells[1]))
+        s = m.summary(n, x)
+        first = [float(c.split()[0]) for c in cells[2:7]]
+        want = [s["healthy"], s["ring"], s["split_x"], s["split_opt"], s["mrc"]]
+        assert first == pytest.approx(want, abs=6e-5), line
+        assert float(cells[5].split("(")[2].rstrip(")")) == pytest.approx(s["y_opt"], abs=6e-5)
+        shares = [float(v) for v in cells[7].split(",")]
+        assert shares == pytest.approx(m.resilient_shares_closed(n, x), abs=6e-5)
+        seen += 1
+    assert seen == 12
