@@ -16,7 +16,11 @@ from mrc._datapath import (
     Operation,
     RemoteRegion,
 )
+
+# After the binding: the communicator builds on Endpoint and Connection.
+from mrc.collectives.communicator import Communicator, get_unique_id  # noqa: E402
 from mrc.errors import (
+    CollectiveError,
     ConnectionClosedError,
     KeyRejectedError,
     MrcError,
@@ -32,6 +36,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TAG_ANY",
+    "CollectiveError",
+    "Communicator",
     "Connection",
     "ConnectionClosedError",
     "Endpoint",
@@ -46,4 +52,5 @@ __all__ = [
     "TruncatedError",
     "UnreachableError",
     "UsageError",
+    "get_unique_id",
 ]

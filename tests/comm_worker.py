@@ -1,0 +1,115 @@
+"""One rank of the communicator tests, run as its own process by tests/test_communicator.py.
+
+    python tests/comm_worker.py MODE RANK SIZE UID [TIMEOUT]   (UID "env": from_env())
+
+Prints one JSON line: {"rank", "ok", ...} or {"rank", "error", "type", "err_rank", "secs"}.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import mrc
+
+NBYTES = 100_003  # not a multiple of any MSS or chunk
+
+
+def pattern(src: int, dst: int) -> np.ndarray:
+    return np.random.default_rng(1000 * src + dst).integers(0, 256, NBYTES, dtype=np.uint8)
+
+
+def sha(a: np.ndarray) -> str:
+    return hashlib.sha256(a.tobytes()).hexdigest()
+
+
+def exchange(comm: mrc.Communicator) -> dict[str, str]:
+    """Every connection carries one checked SEND each way: rank r sends pattern(r, p) to
+    every peer p, and checks what it got from p against pattern(p, r)."""
+    ep = comm.endpoint
+    recvs, sends, keep = {}, [], []
+    for p, conn in enumerate(comm.peers):
+        if conn is None:
+            continue
+        buf = np.zeros(NBYTES, dtype=np.uint8)
+        mr = ep.register(buf)
+        keep += [buf, mr]
+        recvs[p] = (buf, conn.recv(mr, tag=7))
+    for p, conn in enumerate(comm.peers):
+        if conn is None:
+            continue
+        data = pattern(comm.rank, p)
+        mr = ep.register(data)
+        keep += [data, mr]
+        sends.append(conn.send(mr, tag=7))
+    for op in sends:
+        op.wait(comm.timeout)
+    got = {}
+    for p, (buf, op) in recvs.items():
+        op.wait(comm.timeout)
+        if sha(buf) != sha(pattern(p, comm.rank)):
+            raise AssertionError(f"rank {comm.rank}: data from rank {p} differs")
+        got[str(p)] = sha(buf)
+    return got
+
+
+def wait_for_failure(comm: mrc.Communicator, peer: int) -> None:
+    """A RECV from `peer` that never comes: it ends when the communicator learns of a
+    failure (the rendezvous) or the transport gives up on the connection."""
+    buf = np.zeros(16, dtype=np.uint8)
+    mr = comm.endpoint.register(buf)
+    conn = comm.peers[peer]
+    assert conn is not None
+    op = conn.recv(mr, tag=99)
+    deadline = time.monotonic() + comm.timeout * 2
+    while time.monotonic() < deadline:
+        comm.check_failure()
+        try:
+            op.wait(0.05)
+        except mrc.TimeoutError:
+            continue
+        except mrc.MrcError as e:
+            raise comm.peer_error(peer, e) from e
+    raise AssertionError("no failure seen")
+
+
+def main() -> None:
+    mode, rank, size, uid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    timeout = float(sys.argv[5]) if len(sys.argv) > 5 else 10.0
+    t0 = time.monotonic()
+    out: dict[str, object] = {"rank": rank}
+    try:
+        if uid == "env":
+            comm = mrc.Communicator.from_env(timeout=timeout)
+        else:
+            comm = mrc.Communicator(rank, size, bytes.fromhex(uid), timeout=timeout)
+        out["setup_s"] = time.monotonic() - t0
+        with comm:
+            if mode == "mesh":
+                out["got"] = exchange(comm)
+                out["npaths"] = [c.npaths if c else 0 for c in comm.peers]
+            elif mode == "die":
+                exchange(comm)
+                print(json.dumps({"rank": rank, "dying": True}), flush=True)
+                os._exit(3)
+            elif mode == "survive":
+                exchange(comm)
+                t1 = time.monotonic()
+                try:
+                    wait_for_failure(comm, int(os.environ["DEAD_RANK"]))
+                finally:
+                    out["secs"] = time.monotonic() - t1
+            out["ok"] = True
+    except Exception as e:
+        out.update(error=str(e), type=type(e).__name__, err_rank=getattr(e, "rank", None))
+        out.setdefault("secs", time.monotonic() - t0)
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
