@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -97,6 +98,10 @@ def main() -> None:
                 exchange(comm)
                 print(json.dumps({"rank": rank, "dying": True}), flush=True)
                 os._exit(3)
+            elif mode == "mesh_hold":  # until the test kills or stops this process
+                exchange(comm)
+                print(json.dumps({"rank": rank, "holding": True}), flush=True)
+                threading.Event().wait(120)
             elif mode == "survive":
                 exchange(comm)
                 t1 = time.monotonic()
