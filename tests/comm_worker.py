@@ -101,6 +101,7 @@ def main() -> None:
             if mode == "mesh":
                 out["got"] = exchange(comm)
                 out["npaths"] = [c.npaths if c else 0 for c in comm.peers]
+                out["fabric_info"] = comm.fabric_info
             elif mode == "die":
                 exchange(comm)
                 print(json.dumps({"rank": rank, "dying": True}), flush=True)

@@ -199,3 +199,8 @@ def test_mrc_run_on_a_namespace_fabric() -> None:
         assert got[r].get("ok"), got[r]
         assert got[r]["got"] == {str(p): expected_sha(p, r) for p in range(4) if p != r}
         assert got[r]["npaths"] == [0 if p == r else npaths for p in range(4)]
+        info = got[r]["fabric_info"]
+        assert isinstance(info, dict) and info["host"] == f"h{r}"
+        rates = [fab.fabric.host_link(f"h{r}", p).rate_bps for p in range(4)]
+        assert info["rates_bps"] == rates
+        assert [x["host"] for x in info["ranks"]] == ["h0", "h1", "h2", "h3"]
