@@ -329,3 +329,36 @@ def test_dead_rank_is_named_within_the_timeout(how: str) -> None:
         assert got["secs"] < timeout + 3, got
     if how == "sigstop":
         assert all("sent nothing for" in g["error"] for g in res), res
+
+
+# Real collectives (the Collectives mixin of wip/coll) across processes ---------------------
+
+needs_collectives = pytest.mark.skipif(
+    not hasattr(mrc.Communicator, "all_reduce"), reason="the collectives (wip/coll) are not merged"
+)
+
+
+@needs_collectives
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_collectives_across_processes(size: int) -> None:
+    uid = mrc.get_unique_id()
+    res = results(start_ranks("coll", size, uid.hex(), timeout=30), limit=120)
+    for got in res:
+        assert got.get("ok"), got
+        bad = {k: v for k, v in got["wrong"].items() if v}
+        assert not bad, (got["rank"], bad)
+
+
+@needs_collectives
+def test_rank_killed_mid_collective() -> None:
+    timeout, dead = 3.0, 1
+    uid = mrc.get_unique_id()
+    res = results(
+        start_ranks("coll_die", 3, uid.hex(), timeout, env={"DEAD_RANK": str(dead)}), limit=120
+    )
+    assert res[dead] == {"exit": 3}, res[dead]
+    survivors = [g for r, g in enumerate(res) if r != dead]
+    for got in survivors:
+        assert got.get("type") == "CollectiveError", got
+        assert got["err_rank"] == dead and f"rank {dead}" in got["error"], got
+        assert got["secs"] < timeout + 5, got
