@@ -96,8 +96,29 @@ struct mrc_mr {
     int access;        /* [const] */
 };
 
+/* A completion waiting on a CQ: embedded in its op, or allocated for an
+ * immediate (op NULL). */
+struct cq_ent {
+    struct cq_ent *next;
+    mrc_op *op;         /* holds one reference until polled; NULL: immediate */
+    struct mrc_wc wc;
+};
+
+struct mrc_cq {
+    mrc_ep *ep;                         /* [const] */
+    struct mrc_cq *own_prev, *own_next; /* [lock] ep->own_cqs: freed by mrc_ep_destroy */
+    int fd;                             /* [const] eventfd, readable while head != NULL */
+    pthread_cond_t cv;                  /* waiters of this CQ only */
+    /* [lock] */
+    struct cq_ent *head, *tail;
+    bool fd_set;        /* the eventfd counter is non-zero */
+    int waiters;        /* threads inside mrc_cq_wait */
+    uint64_t npending;  /* ops posted to it and not yet completed */
+    int nbound;         /* connections bound with mrc_conn_set_cq */
+};
+
 struct mrc_op {
-    atomic_int refs;    /* the caller's reference + the progress thread's */
+    atomic_int refs;    /* the caller's (if out), the progress thread's, the CQ's (if cq) */
     int kind;           /* [const] enum mrc_op_kind */
     int flags;          /* [const] MRC_WRITE_IMM */
     mrc_ep *ep;         /* [const] outlives the connection */
@@ -106,6 +127,9 @@ struct mrc_op {
     uint64_t loff, len; /* [const] */
     uint64_t rkey, roff, tag; /* [const] */
     uint32_t imm;       /* [const] */
+    mrc_cq *cq;         /* [const] NULL: completes on the handle only */
+    uint64_t ctx;       /* [const] returned in the CQ entry */
+    struct cq_ent cqe;  /* [lock] its entry on cq once complete */
     /* progress thread */
     uint32_t msn;
     uint64_t seg_off;   /* next byte to put in a packet */
@@ -117,6 +141,7 @@ struct mrc_op {
     struct mrc_op *qnext;       /* submission or completion list */
     /* [lock] */
     int done, status;
+    int waiters;        /* threads in mrc_op_wait: publish wakes ep->cv only for them */
 };
 
 /* One transmitted (or pending) packet, indexed by psn % window. */
@@ -228,8 +253,10 @@ struct mrc_conn {
     uint32_t ack_echo_psn[MRC_MAX_PATHS];
     uint64_t ack_echo_ts[MRC_MAX_PATHS];
 
-    /* [lock] immediates delivered to the user */
+    /* [lock] immediates delivered to the user: on imm_head, or on cq when bound */
     struct imm_ev *imm_head, *imm_tail;
+    mrc_cq *cq;
+    uint64_t cq_ctx;
 };
 
 /* A socket: one per plane (receives everything for the plane, sends plain
@@ -301,6 +328,7 @@ struct mrc_ep {
     uint32_t mr_free[MRC_SLOTS], nmr_free;
     mrc_conn *own_conns, *own_conns_tail; /* connections and regions not yet destroyed */
     mrc_mr *own_mrs, *own_mrs_tail;
+    mrc_cq *own_cqs, *own_cqs_tail;
     int listen_fd;
 
     /* progress thread */
@@ -310,7 +338,7 @@ struct mrc_ep {
     mrc_mr *mrs[MRC_SLOTS];
     mrc_conn *active;        /* connections in the datapath */
     mrc_conn *ackq;          /* connections owing ACKs */
-    mrc_op *done_head;       /* completions to publish */
+    mrc_op *done_head;       /* completions to publish, newest first */
     uint64_t rng;
     uint64_t next_timer_ns;
     uint8_t *rxbuf;          /* MRC_BATCH * rx_slot bytes */
@@ -331,6 +359,13 @@ int addr_parse(const char *s, uint16_t port, struct sockaddr_storage *ss, sockle
 void addr_format(const struct sockaddr_storage *ss, char *buf, size_t len);
 bool addr_same_host(const struct sockaddr_storage *a, const struct sockaddr_storage *b);
 uint64_t rand_u64(void);
+
+/* cq.c */
+void cq_push_locked(mrc_cq *cq, struct cq_ent *e);
+void cq_conn_unbind_locked(mrc_conn *c);
+void cq_free_all(mrc_ep *ep);
+void cq_stop_waiters(mrc_ep *ep);
+int conn_imm_pt(mrc_conn *c, uint32_t imm, uint64_t len);
 
 /* sock.c */
 int sock_open_plane(mrc_ep *ep, int plane);
