@@ -121,6 +121,16 @@ void cq_stop_waiters(mrc_ep *ep)
     pthread_mutex_unlock(&ep->lock);
 }
 
+void mrc_cq_shutdown(mrc_cq *cq)
+{
+    if (!cq)
+        return;
+    pthread_mutex_lock(&cq->ep->lock);
+    cq->shut = true;
+    pthread_cond_broadcast(&cq->cv);
+    pthread_mutex_unlock(&cq->ep->lock);
+}
+
 int mrc_cq_fd(const mrc_cq *cq) { return cq ? cq->fd : MRC_EUSAGE; }
 
 void cq_push_locked(mrc_cq *cq, struct cq_ent *e)
@@ -198,15 +208,15 @@ int mrc_cq_wait(mrc_cq *cq, struct mrc_wc *wc, int max, int timeout_ms)
     }
     pthread_mutex_lock(&ep->lock);
     cq->waiters++;
-    while (!cq->head && !ep->stopping && timeout_ms != 0) {
+    while (!cq->head && !ep->stopping && !cq->shut && timeout_ms != 0) {
         int rc = timeout_ms < 0 ? pthread_cond_wait(&cq->cv, &ep->lock)
                                 : pthread_cond_timedwait(&cq->cv, &ep->lock, &dl);
         if (rc == ETIMEDOUT)
             break;
     }
     cq->waiters--;
-    bool stopping = ep->stopping;
-    if (stopping && !cq->waiters)
+    bool stopping = ep->stopping || cq->shut;
+    if (ep->stopping && !cq->waiters)
         pthread_cond_broadcast(&ep->cv); /* cq_stop_waiters */
     struct cq_ent *taken;
     int n = cq_take_locked(cq, wc, max, &taken);

@@ -396,7 +396,7 @@ static int op_post(mrc_conn *c, mrc_op *op, mrc_op **out)
     mrc_ep *ep = c->ep;
     atomic_init(&op->refs, 1 + (out != NULL) + (op->cq != NULL));
     pthread_mutex_lock(&ep->lock);
-    if (ep->stopping || c->state != CONN_ACTIVE) {
+    if (ep->stopping || c->state != CONN_ACTIVE || (op->cq && op->cq->shut)) {
         int err = c->state == CONN_ACTIVE ? MRC_ECLOSED : (c->error ? c->error : MRC_ECLOSED);
         pthread_mutex_unlock(&ep->lock);
         free(op);

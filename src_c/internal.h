@@ -115,6 +115,7 @@ struct mrc_cq {
     int waiters;        /* threads inside mrc_cq_wait */
     uint64_t npending;  /* ops posted to it and not yet completed */
     int nbound;         /* connections bound with mrc_conn_set_cq */
+    bool shut;          /* mrc_cq_shutdown */
 };
 
 struct mrc_op {

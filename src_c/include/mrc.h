@@ -194,6 +194,12 @@ int mrc_cq_create(mrc_ep *ep, mrc_cq **out);
  * mrc_ep_destroy frees CQs left open, after the endpoint's pending ops have
  * completed into them with MRC_ECLOSED and threads in mrc_cq_wait returned. */
 int mrc_cq_destroy(mrc_cq *cq);
+/* Shuts the CQ down without freeing it: threads in mrc_cq_wait return, and
+ * from now on mrc_cq_wait returns MRC_ECLOSED once it is empty and mrc_post to
+ * it fails with MRC_ECLOSED (ops already posted still complete into it).
+ * Bindings call it before freeing the endpoint, so that no thread is left
+ * about to wait on a CQ that goes. */
+void mrc_cq_shutdown(mrc_cq *cq);
 int mrc_cq_fd(const mrc_cq *cq);
 /* Up to max completions, never blocks: returns how many (>= 0) or a negative code. */
 int mrc_cq_poll(mrc_cq *cq, struct mrc_wc *wc, int max);

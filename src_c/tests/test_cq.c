@@ -262,6 +262,16 @@ static void usage_errors(void)
     CHECK(mrc_post(cb[0], &r, &op) == MRC_EUSAGE);
     CHECK(op == NULL);
     CHECK(mrc_cq_poll(cqa, NULL, 1) == MRC_EUSAGE);
+    /* shut down: posts fail, waits return at once */
+    mrc_cq_shutdown(cqa);
+    struct mrc_wc wc[2];
+    CHECK(mrc_cq_wait(cqa, wc, 2, -1) == MRC_ECLOSED);
+    uint8_t abuf[8];
+    mrc_mr *amr;
+    CHECK_RC(mrc_mr_reg(a, abuf, sizeof(abuf), 0, &amr));
+    struct mrc_wr s = {.kind = MRC_OP_SEND, .mr = amr, .len = 8, .cq = cqa};
+    CHECK(mrc_post(ca[0], &s, NULL) == MRC_ECLOSED);
+    mrc_mr_dereg(amr);
     CHECK(mrc_cq_wait(cqa, NULL, 1, 0) == MRC_EUSAGE);
     CHECK_RC(mrc_cq_destroy(cqa));
     mrc_mr_dereg(mr);
