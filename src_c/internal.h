@@ -34,7 +34,7 @@
 #define MRC_PKT_MAX (MRC_DATA_HDR_LEN + MRC_MAX_MSS)
 
 /* Timing policy (ns). */
-#define MRC_TIMER_NS 250000ull          /* timer scan period */
+#define MRC_TIMER_NS 250000ull          /* timer scan period while packets are in flight */
 #define MRC_MIN_RTO_NS 5000000ull       /* floor of a path's retransmit timeout */
 #define MRC_MIN_QUICK_RTO_NS 1000000ull /* floor while other paths deliver */
 #define MRC_PROBE_INTERVAL_NS 5000000ull /* failed/probing paths are probed this often */
@@ -224,6 +224,9 @@ struct mrc_conn {
     int path_index[MRC_MAX_PATHS]; /* wire path id -> index in paths[], -1 none */
     bool active_listed, in_ackq, closing_sent;
     struct mrc_conn *next_active, *next_ack;
+    struct mrc_conn *pt_prev, *pt_next; /* ep->pt_conns: every connection in ep->conns[] */
+    bool timed;                  /* on ep->timed: has timers to run (engine_timers) */
+    struct mrc_conn *next_timed;
 
     /* transmit */
     struct tx_pkt *tx;
@@ -338,10 +341,13 @@ struct mrc_ep {
     mrc_conn *conns[MRC_SLOTS];
     mrc_mr *mrs[MRC_SLOTS];
     mrc_conn *active;        /* connections in the datapath */
+    mrc_conn *pt_conns, *pt_conns_tail; /* every connection in conns[], in order of adding */
+    mrc_conn *timed;         /* active connections with timers to run; none: no tick */
     mrc_conn *ackq;          /* connections owing ACKs */
     mrc_op *done_head;       /* completions to publish, newest first */
     uint64_t rng;
-    uint64_t next_timer_ns;
+    uint64_t next_timer_ns;  /* UINT64_MAX: no timer exists, sleep until woken */
+    bool nl_ready;           /* the netlink socket woke the loop */
     uint8_t *rxbuf;          /* MRC_BATCH * rx_slot bytes */
     uint32_t rx_slot;
     struct mrc_ep_stats st;
@@ -421,6 +427,7 @@ void link_poll_pt(mrc_ep *ep);
 
 /* engine.c */
 void *engine_main(void *arg);
+void conn_arm_timer_pt(mrc_conn *c);
 
 #define MRC_RNR_MIN_NS 1000000ull    /* first back-off after a receiver-not-ready */
 #define MRC_RNR_MAX_NS 64000000ull   /* back-off doubles up to this */
