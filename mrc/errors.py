@@ -51,3 +51,8 @@ class CollectiveError(MrcError):
         super().__init__(message)
         self.rank = rank
         self.code = code
+
+
+class BusyError(MrcError):
+    """The object is still in use (operations pending on it, connections bound to it,
+    a thread waiting on it): finish or close those first."""
