@@ -550,15 +550,22 @@ static void complete(struct run *r, const struct mrc_wc *wc)
     mark_done(r, s, i);
 }
 
-/* The peer this run waits for: the first transfer with chunks in flight. */
+/* The peer to blame when nothing moved for the timeout: one that has not
+ * acknowledged this rank's data (a live peer acknowledges even what it is not
+ * ready for), else one whose posted RECVs got nothing (a full scratch ring
+ * posts none, so a peer merely slowed by another one is not named), else the
+ * first one this rank still expects a message from. */
 static int waited_peer(const struct run *r)
 {
-    for (uint32_t s = 0; s < r->p->nsteps; s++)
-        if (r->p->steps[s].kind == MRC_STEP_RECV && r->st[s].ndone < r->st[s].nchunks)
-            return r->p->steps[s].peer;
-    for (uint32_t s = 0; s < r->p->nsteps; s++)
-        if (r->st[s].inflight)
-            return r->p->steps[s].peer;
+    static const uint32_t order[3] = {MRC_STEP_SEND, MRC_STEP_RECV, 0};
+    for (int pass = 0; pass < 3; pass++)
+        for (uint32_t s = 0; s < r->p->nsteps; s++) {
+            const struct mrc_coll_step *t = &r->p->steps[s];
+            if (pass < 2 && t->kind == order[pass] && r->st[s].inflight)
+                return t->peer;
+            if (pass == 2 && t->kind == MRC_STEP_RECV && r->st[s].ndone < r->st[s].nchunks)
+                return t->peer;
+        }
     return -1;
 }
 
