@@ -283,9 +283,16 @@ def make_case(
             if n == 1:
                 recv[:] = send
                 return recv
-            w = comm.send(send, nxt, async_op=True)
-            comm.recv(recv, prv)
-            return w.wait()
+            # Even ranks send first, odd ranks receive first: no cycle of ranks that all
+            # wait to send, however large the message (and an odd ring still closes: the
+            # last even rank's send waits only for rank 0's receive, which follows).
+            if rank % 2 == 0:
+                comm.send(send, nxt)
+                comm.recv(recv, prv)
+            else:
+                comm.recv(recv, prv)
+                comm.send(send, nxt)
+            return recv
 
         want = rank_data(prv, count, dtype, op)
         return Case(count, run, recv, want, lambda: None)
