@@ -35,6 +35,10 @@
 #define DEFAULT_SLOTS 4
 #define WAIT_SLICE_MS 10 /* how often a waiting run looks at the abort flag */
 #define WC_BATCH 64
+/* Calls whose buffers fit go through a region registered once: registering
+ * the caller's buffers costs four round trips to the progress thread, which
+ * is most of a small collective's latency. */
+#define BOUNCE_BYTES (256u << 10)
 
 struct mrc_coll {
     mrc_ep *ep;
@@ -51,7 +55,11 @@ struct mrc_coll {
     uint8_t *tmp;           /* one chunk: REDUCE whose destination is also a source */
     /* left by a failed run until mrc_coll_drain */
     int pending;            /* posted operations not yet completed */
-    mrc_mr *user_mr[2];
+    mrc_mr *user_mr[2];     /* regions of the send and recv buffers */
+    uint64_t mr_base[2];    /* where each buffer starts in its region */
+    bool bounced;           /* this run's buffers are copies in bounce */
+    uint8_t *bounce;        /* BOUNCE_BYTES, registered as bounce_mr */
+    mrc_mr *bounce_mr;
 };
 
 /* Per run: state of each step. */
@@ -147,6 +155,11 @@ uint64_t mrc_coll_scratch_bytes(const mrc_coll *c) { return c->scratch_len; }
 
 static void release_user_mrs(mrc_coll *c)
 {
+    if (c->bounced) {
+        c->bounced = false;
+        c->user_mr[0] = c->user_mr[1] = NULL;
+        return;
+    }
     if (c->user_mr[1] && c->user_mr[1] != c->user_mr[0])
         mrc_mr_dereg(c->user_mr[1]);
     if (c->user_mr[0])
@@ -165,6 +178,9 @@ void mrc_coll_destroy(mrc_coll *c)
         if (c->scratch_mr)
             mrc_mr_dereg(c->scratch_mr);
         free(c->scratch);
+        if (c->bounce_mr)
+            mrc_mr_dereg(c->bounce_mr);
+        free(c->bounce);
         mrc_cq_destroy(c->cq);
     }
     free(c->tmp);
@@ -362,7 +378,7 @@ static uint8_t *ref_chunk(const struct run *r, const struct mrc_coll_ref *f, uin
     }
     off = f->off + (uint64_t)i * c->chunk;
     if (mr)
-        *mr = c->user_mr[f->buf], *loff = off;
+        *mr = c->user_mr[f->buf], *loff = c->mr_base[f->buf] + off;
     return r->bufs[f->buf] ? r->bufs[f->buf] + off : NULL;
 }
 
@@ -550,15 +566,22 @@ static void complete(struct run *r, const struct mrc_wc *wc)
     mark_done(r, s, i);
 }
 
-/* The peer this run waits for: the first transfer with chunks in flight. */
+/* The peer to blame when nothing moved for the timeout: one that has not
+ * acknowledged this rank's data (a live peer acknowledges even what it is not
+ * ready for), else one whose posted RECVs got nothing (a full scratch ring
+ * posts none, so a peer merely slowed by another one is not named), else the
+ * first one this rank still expects a message from. */
 static int waited_peer(const struct run *r)
 {
-    for (uint32_t s = 0; s < r->p->nsteps; s++)
-        if (r->p->steps[s].kind == MRC_STEP_RECV && r->st[s].ndone < r->st[s].nchunks)
-            return r->p->steps[s].peer;
-    for (uint32_t s = 0; s < r->p->nsteps; s++)
-        if (r->st[s].inflight)
-            return r->p->steps[s].peer;
+    static const uint32_t order[3] = {MRC_STEP_SEND, MRC_STEP_RECV, 0};
+    for (int pass = 0; pass < 3; pass++)
+        for (uint32_t s = 0; s < r->p->nsteps; s++) {
+            const struct mrc_coll_step *t = &r->p->steps[s];
+            if (pass < 2 && t->kind == order[pass] && r->st[s].inflight)
+                return t->peer;
+            if (pass == 2 && t->kind == MRC_STEP_RECV && r->st[s].ndone < r->st[s].nchunks)
+                return t->peer;
+        }
     return -1;
 }
 
@@ -676,9 +699,45 @@ static void run_free(struct run *r)
     free(r->done_pool);
 }
 
-static int register_user(mrc_coll *c, const struct mrc_coll_args *a)
+/* Small calls: copies of the buffers in the bounce region (recv too, so that
+ * bytes the schedule does not write come back unchanged). */
+static int bounce_in(mrc_coll *c, struct run *r, const struct mrc_coll_args *a)
 {
-    int rc = mrc_mr_reg(c->ep, a->send, a->send_len, 0, &c->user_mr[0]);
+    bool same = a->recv == a->send && a->recv_len == a->send_len;
+    uint64_t roff = same ? 0 : (a->send_len + 63) & ~(uint64_t)63;
+    if (roff + (same ? a->send_len : a->recv_len) > BOUNCE_BYTES)
+        return 1;
+    if (!c->bounce) {
+        c->bounce = aligned_alloc(64, BOUNCE_BYTES);
+        if (!c->bounce)
+            return -ENOMEM;
+        int rc = mrc_mr_reg(c->ep, c->bounce, BOUNCE_BYTES, 0, &c->bounce_mr);
+        if (rc) {
+            free(c->bounce);
+            c->bounce = NULL;
+            return rc;
+        }
+    }
+    if (a->send_len)
+        memcpy(c->bounce, a->send, a->send_len);
+    if (!same && a->recv_len)
+        memcpy(c->bounce + roff, a->recv, a->recv_len);
+    r->bufs[0] = c->bounce;
+    r->bufs[1] = c->bounce + roff;
+    c->user_mr[0] = c->user_mr[1] = c->bounce_mr;
+    c->mr_base[0] = 0;
+    c->mr_base[1] = roff;
+    c->bounced = true;
+    return 0;
+}
+
+static int register_user(mrc_coll *c, struct run *r, const struct mrc_coll_args *a)
+{
+    int rc = bounce_in(c, r, a);
+    if (rc <= 0)
+        return rc;
+    c->mr_base[0] = c->mr_base[1] = 0;
+    rc = mrc_mr_reg(c->ep, a->send, a->send_len, 0, &c->user_mr[0]);
     if (rc)
         return rc;
     if (a->recv == a->send && a->recv_len == a->send_len) {
@@ -724,7 +783,7 @@ int mrc_coll_run(mrc_coll *c, const struct mrc_coll_plan *p, const struct mrc_co
     if (!rc)
         rc = scratch_reserve(c, (uint64_t)p->nrings * (uint64_t)c->slots * c->chunk);
     if (!rc)
-        rc = register_user(c, a);
+        rc = register_user(c, &r, a);
     if (rc) {
         run_free(&r);
         return rc;
@@ -733,6 +792,8 @@ int mrc_coll_run(mrc_coll *c, const struct mrc_coll_plan *p, const struct mrc_co
     if (rc == MRC_EMISMATCH)
         flush_sends(&r);
     *failed_peer = r.failed_peer;
+    if (!rc && c->bounced && a->recv_len)
+        memcpy(a->recv, r.bufs[1], a->recv_len);
     if (!rc) {
         for (int peer = 0; peer < c->nranks; peer++)
             if (r.nlist[2 * peer] || r.nlist[2 * peer + 1])
