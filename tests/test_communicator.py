@@ -362,3 +362,18 @@ def test_rank_killed_mid_collective() -> None:
         assert got.get("type") == "CollectiveError", got
         assert got["err_rank"] == dead and f"rank {dead}" in got["error"], got
         assert got["secs"] < timeout + 5, got
+
+
+def test_close_waits_for_the_others_at_most_the_timeout() -> None:
+    """close() is collective; a rank whose peer never closes gives up after the timeout,
+    and the peer, told the rendezvous is gone, then closes at once."""
+    uid = mrc.get_unique_id()
+    comms = in_threads([(0, 2, uid), (1, 2, uid)], timeout=1.0)
+    c0, c1 = comms
+    assert isinstance(c0, mrc.Communicator) and isinstance(c1, mrc.Communicator)
+    t0 = time.monotonic()
+    c0.close()
+    assert 0.9 < time.monotonic() - t0 < 5
+    assert c1._released.wait(5)  # so its close() will not wait
+    c1.close()
+    assert c1.failure is None  # a peer that closed is not a failure

@@ -120,12 +120,13 @@ class Communicator(Collectives):
             self._client.start_monitor(self._on_failed, self._on_closed, self._released.set)
             self._take_table(infos)
             self._connect_mesh(infos)
-            if self._failure is not None:
-                raise self._failure
             init = getattr(self, "_collectives_init", None)
             if init is not None:
                 init()
-                self._collectives_started = True
+            self._collectives_started = True
+            # A failure the monitor saw before the executor existed was not passed on.
+            if self._failure is not None:
+                raise self._failure
         except BaseException as e:
             message = f"rank {self.rank} failed to set up its communicator: {e}"
             self._teardown({"op": "abort", "message": message})
@@ -282,8 +283,9 @@ class Communicator(Collectives):
             if self._failure is not None:
                 return False
             self._failure = err
+            closed = self._closed
         abort = getattr(self, "_collectives_abort", None)
-        if abort is not None:
+        if abort is not None and self._collectives_started and not closed:
             abort(err)
         return True
 
@@ -326,12 +328,13 @@ class Communicator(Collectives):
         endpoint (rank 0: and the rendezvous). The wait is why closing is safe: a rank
         that tore its connections down at once could fail a peer's last SEND, whose data
         it holds but whose ACK it never sent."""
-        if self._closed:
-            return
         self._teardown({"op": "bye"})
 
     def _teardown(self, goodbye: dict[str, Any]) -> None:
-        self._closed = True
+        with self._fail_lock:  # one teardown, also when two threads close at once
+            if self._closed:
+                return
+            self._closed = True
         if self._collectives_started:
             close = getattr(self, "_collectives_close", None)
             if close is not None:
