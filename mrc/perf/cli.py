@@ -17,8 +17,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy is imported a
 
 import click  # noqa: E402
 
-from mrc.perf import model_cli  # noqa: E402
 from mrc.perf import coll as coll_commands  # noqa: E402
+from mrc.perf import model_cli  # noqa: E402
 from mrc.perf.options import (  # noqa: E402
     DEFAULT_BW_ITERS,
     DEFAULT_BW_SIZE,
