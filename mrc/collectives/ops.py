@@ -339,13 +339,24 @@ class Collectives:
         if sh is not None and len(sh) != self.size:
             raise UsageError(f"all_reduce: shares has {len(sh)} entries for {self.size} ranks")
         what = f"all_reduce of {s.count} {s.dtype} ({op})"
+        out = send if recv is None else recv
+        resilience = getattr(self, "_resilience", None)
+        if sh is None and resilience is not None:
+            # Issue 13: the shares come from the bandwidths every rank agreed on, chosen
+            # where the operation runs, in its place in the order (resilient.py).
+            def run() -> Any:
+                chosen = resilience.shares_for(s.count * s.esize)
+                packed = resilience.packed(s.count, s.esize, chosen, op == "avg")
+                sig = signature("all_reduce", s.count, s.dtype, op, chosen)
+                return self._do(what, packed, s, r, s.dtype, code, sig, out)
+
+            return self._submit(what, run, async_op)
         key = ("all_reduce", s.count, s.esize, sh, op == "avg")
         n, rank = self.size, self.rank
         packed = self._plan(
             key, lambda: S.all_reduce(rank, n, s.count, s.esize, shares=sh, avg=op == "avg")
         )
         sig = signature("all_reduce", s.count, s.dtype, op, sh)
-        out = send if recv is None else recv
         return self._submit(
             what, lambda: self._do(what, packed, s, r, s.dtype, code, sig, out), async_op
         )
