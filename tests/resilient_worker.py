@@ -44,7 +44,7 @@ def main() -> None:
         hashes.append(hashlib.sha256(out.tobytes()).hexdigest())
         st = comm.stats()["resilient"]
         name = st["schedule"]["schedule"]
-        if not schedules or schedules[-1] != name:
+        if (not schedules or schedules[-1] != name) and st["agreed"] is not None:
             planes[i] = st["agreed"]["planes_up"]
         schedules.append(name)
         if comm.rank == 0 and mode == "heal":

@@ -67,6 +67,32 @@ def run_loop(fab: object, n: int) -> dict[int, dict]:
     return results(out.splitlines(keepends=True))
 
 
+def test_loopback_agrees_on_plane_counts_and_keeps_equal_shares() -> None:
+    """No fabric: the rates are counts of usable planes; all alike, so equal shares. With
+    MRC_RESILIENT=0 there is no exchange at all."""
+    ref = reference_sha()
+    for flag, exchanges in (("1", 2), ("0", 0)):
+        env = {**os.environ, "MRC_RESILIENT_EXCHANGE_BYTES": "0", "MRC_RESILIENT": flag}
+        p = subprocess.run(
+            [sys.executable, "-m", "mrc.run", "-n", "4", "--timeout", "30", "--",
+             sys.executable, WORKER, "loop", "2"],
+            capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+        )  # fmt: skip
+        assert p.returncode == 0, p.stdout + p.stderr
+        got = results(p.stdout.splitlines(keepends=True))
+        for r in range(4):
+            assert got[r]["hashes"] == [ref, ref]
+            assert got[r]["schedules"] == ["equal", "equal"]
+            st = got[r]["stats"]
+            # The worker's own all_reduces only: 2 of them, each an exchange point.
+            assert st["exchanges"] == exchanges and st["all_reduces"] == 2
+            if exchanges:
+                assert st["agreed"]["source"] == "planes"
+                assert st["agreed"]["send"] == [4.0] * 4
+            else:
+                assert st["agreed"] is None
+
+
 @pytest.mark.root
 def test_plane_failed_before_the_run_takes_the_resilient_schedule() -> None:
     ref = reference_sha()

@@ -30,6 +30,7 @@ schedule and the bandwidths agreed, with the planner's table at DEBUG.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections import Counter
@@ -177,7 +178,8 @@ class Resilience:
             self.ops += 1
             if not self.enabled or self.comm.size < 3:
                 # n <= 2: every share costs the same (model.shares); nothing to plan.
-                self.schedules["equal"] += 1
+                n = self.comm.size
+                self._note(model.Plan("equal", (1.0 / n,) * n, math.nan), nbytes)
                 return None
             if nbytes >= self.exchange_bytes or self.agreed is None:
                 self._exchange()
