@@ -72,8 +72,13 @@ class Run:
     tail: list[str] = field(default_factory=list)
     wall_s: float = 0.0
 
+    idle_timeout: float = 0.0
+
     @property
     def message(self) -> str:
+        if self.status == "hang":
+            last = self.tail[-1].strip() if self.tail else "nothing"
+            return f"hang: no output for {self.idle_timeout:g} s, killed (last line: {last[:160]})"
         return "".join(self.tail[-6:]).strip()
 
 
@@ -85,7 +90,7 @@ def stream(
 ) -> Run:
     """Run argv; JSON lines (prefixed "[0] " by mrc-run, or bare) become rows, handed to
     on_row as they come. No output for idle_timeout seconds: killed, status 'hang'."""
-    run = Run()
+    run = Run(idle_timeout=idle_timeout)
     t0 = time.monotonic()
     proc = subprocess.Popen(
         list(argv),

@@ -247,38 +247,37 @@ class Resilience:
         return packed
 
     def stats(self) -> dict[str, Any]:
-        """What comm.stats()["resilient"] shows."""
-        with self._lock:
-            ag = self.agreed
-            return {
-                "enabled": self.enabled,
-                "exchange_bytes": self.exchange_bytes,
-                "all_reduces": self.ops,
-                "exchanges": self.exchanges,
-                "epoch": self.epoch,
-                "local": None
-                if self.current is None
-                else {
-                    "send": self.current.send,
-                    "recv": self.current.recv,
-                    "planes_up": list(self.current.planes_up),
-                    "source": self.current.source,
-                },
-                "agreed": None
-                if ag is None
-                else {
-                    "source": ag.source,
-                    "send": list(ag.send),
-                    "recv": list(ag.recv),
-                    "levels": [list(x) for x in ag.levels],
-                    "planes_up": [
-                        [p for p in range(np_) if mask >> p & 1] for mask, np_ in ag.planes
-                    ],
-                },
-                "schedule": None if self.last is None else dict(self.last),
-                "schedules": dict(self.schedules),
-                "switches": list(self.switches),
-            }
+        """What comm.stats()["resilient"] shows. Without the lock: an exchange holds it
+        for as long as the collective takes, and a monitoring thread must not wait on it
+        (each field is read once; they may be one operation apart)."""
+        ag = self.agreed
+        return {
+            "enabled": self.enabled,
+            "exchange_bytes": self.exchange_bytes,
+            "all_reduces": self.ops,
+            "exchanges": self.exchanges,
+            "epoch": self.epoch,
+            "local": None
+            if self.current is None
+            else {
+                "send": self.current.send,
+                "recv": self.current.recv,
+                "planes_up": list(self.current.planes_up),
+                "source": self.current.source,
+            },
+            "agreed": None
+            if ag is None
+            else {
+                "source": ag.source,
+                "send": list(ag.send),
+                "recv": list(ag.recv),
+                "levels": [list(x) for x in ag.levels],
+                "planes_up": [[p for p in range(np_) if mask >> p & 1] for mask, np_ in ag.planes],
+            },
+            "schedule": None if self.last is None else dict(self.last),
+            "schedules": dict(self.schedules),
+            "switches": list(self.switches),
+        }
 
 
 def _short(ag: bandwidth.AgreedBandwidths) -> str:
