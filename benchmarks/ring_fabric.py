@@ -6,8 +6,10 @@ per host) h0 -> h1, h1 -> h2, h2 -> h3 and h3 -> h0 run together, so every host 
 other:
 
 1. mrc: `mrc-perf write_bw --verify` from each host to the next (all four at once);
-   with --levers also with UDP GRO off (MRC_GRO=0) and with UDP GSO off (MRC_GSO=0),
-   to show what each is worth.
+   with --levers also with UDP GRO off (MRC_GRO=0), with UDP GSO off (MRC_GSO=0), and
+   over plain IP paths with GRO on and off (plane k -> plane k, no SRH: what the SRH
+   costs, since a GSO batch with an extension header is cut into datagrams at the
+   sender; no spine choice, so a bound, not a configuration to run).
 2. iperf3 TCP with one stream per plane per hop (16 streams at once).
 
 For each: Gbit/s per hop and in all, the share of line, mrc / TCP, and CPU per byte:
@@ -34,6 +36,7 @@ import click
 from common import RESULTS, CpuMeter, iperf3_tcp_streams, save
 
 from mrc.fabric.testing import fabric_up
+from mrc.routing import host_planes
 
 ROOT = Path(__file__).resolve().parent.parent
 FABRIC = ROOT / "routing" / "4host-4plane-1g.toml"
@@ -52,16 +55,29 @@ def perf_json(out: str) -> dict[str, Any]:
     return json.loads(out[out.index("\n{") + 1 :])
 
 
-def mrc_ring(fab: Any, seconds: float, size: int, env: dict[str, str]) -> dict[str, Any]:
-    """One mrc-perf server per host, then the four clients at once; their results."""
-    opts = ["--fabric", str(FABRIC), "-s", str(size), "-D", str(seconds)]
+def mrc_ring(
+    fab: Any, seconds: float, size: int, env: dict[str, str], plain: bool = False
+) -> dict[str, Any]:
+    """One mrc-perf server per host, then the four clients at once; their results.
+    plain: each host's planes as plain IP paths (plane k -> peer plane k over the
+    fabric's IPv6 routes, no SRH, no choice of spine) instead of the fabric's SRv6 paths."""
+    opts = ["-s", str(size), "-D", str(seconds)]
     opts += ["--report_gbits", "--out_json", "--quiet", "--verify"]
     penv = {**os.environ, **env}
+
+    def where(host: str) -> list[str]:
+        if plain:
+            return ["--planes", ",".join(host_planes(fab.fabric, host))]
+        return ["--fabric", str(FABRIC), "--host", host]
+
+    def peer(host: str) -> str:
+        return host_planes(fab.fabric, host)[0] if plain else host
+
     with CpuMeter() as cpu:
         servers, ports = {}, {}
         for _, dst in RING:
             p = fab.popen(
-                dst, [*PERF, *opts, "--host", dst, "-p", "0"], stdout=subprocess.PIPE, env=penv
+                dst, [*PERF, *opts, *where(dst), "-p", "0"], stdout=subprocess.PIPE, env=penv
             )
             assert p.stdout is not None
             for line in p.stdout:
@@ -75,7 +91,7 @@ def mrc_ring(fab: Any, seconds: float, size: int, env: dict[str, str]) -> dict[s
         clients = {
             (src, dst): fab.popen(
                 src,
-                [*PERF, *opts, "--host", src, "-p", str(ports[dst]), dst],
+                [*PERF, *opts, *where(src), "-p", str(ports[dst]), peer(dst)],
                 stdout=subprocess.PIPE,
                 env=penv,
             )
@@ -154,13 +170,20 @@ def summarise(name: str, run: dict[str, Any]) -> dict[str, Any]:
 @click.command()
 @click.option("-D", "--duration", default=8.0, show_default=True, help="Seconds per run.")
 @click.option("-s", "--size", default=1 << 20, show_default=True, help="mrc WRITE size.")
-@click.option("--levers", is_flag=True, help="Also run mrc with UDP GRO off and UDP GSO off.")
+@click.option(
+    "--levers",
+    is_flag=True,
+    help="Also run mrc with UDP GRO off, with UDP GSO off, and over plain IP paths (no SRH).",
+)
 @click.option("--note", default="", help="Stored with the results (e.g. 'loaded machine: ...').")
 def main(duration: float, size: int, levers: bool, note: str) -> None:
     rows = []
     with fabric_up(FABRIC, prefix="bmr") as fab:
         for name, env in LEVERS if levers else LEVERS[:1]:
             rows.append(summarise(name, mrc_ring(fab, duration, size, env)))
+        if levers:  # where a GSO batch stays whole, GRO has something to coalesce
+            for name, env in [("mrc, plain IP paths", {}), ("plain, no UDP GRO", LEVERS[1][1])]:
+                rows.append(summarise(name, mrc_ring(fab, duration, size, env, plain=True)))
         tcp = summarise("iperf3 TCP", tcp_ring(fab, duration))
     for r in rows:
         r["ratio_to_tcp"] = round(r["total_gbps"] / tcp["total_gbps"], 3)
