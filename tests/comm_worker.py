@@ -128,6 +128,11 @@ def main() -> None:
     rank = int(os.environ["RANK"]) if sys.argv[2] == "env" else int(sys.argv[2])
     size = int(os.environ["WORLD_SIZE"]) if sys.argv[3] == "env" else int(sys.argv[3])
     timeout = float(sys.argv[5]) if len(sys.argv) > 5 else 10.0
+    if os.environ.get("COMM_WAIT_GO"):
+        # Imports done: the test starts every rank's clock at once (a loaded machine takes
+        # seconds to start Python, more than the short timeouts the error tests use).
+        print(json.dumps({"rank": rank, "ready": True}), flush=True)
+        sys.stdin.readline()
     t0 = time.monotonic()
     out: dict[str, object] = {"rank": rank}
     try:

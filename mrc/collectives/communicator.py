@@ -19,7 +19,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path as FsPath
 from typing import Any
@@ -233,9 +233,9 @@ class Communicator(Collectives):
     def _accept_all(self, expected: Iterable[int], deadline: float) -> None:
         waiting = set(expected)
 
-        def paths_for(name: str) -> list[Any] | None:
-            peer = _rank_of(name, self.size)
-            return None if peer is None else self._paths_to(peer)
+        def paths_for(name: str) -> list[Any]:
+            peer = _rank_of(name, self.size)  # empty: the endpoint's own plane pairs
+            return (None if peer is None else self._paths_to(peer)) or []
 
         while waiting:
             left = deadline - time.monotonic()
@@ -389,7 +389,7 @@ class Communicator(Collectives):
     # --- launchers -------------------------------------------------------------------------
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **kwargs: Any) -> Communicator:
+    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> Communicator:
         """A communicator from the variables a launcher sets (see launch_env())."""
         cfg = launch_env(os.environ if env is None else env)
         for key in ("planes", "fabric", "host", "timeout"):
@@ -435,7 +435,7 @@ RUN_ID_VARS = (
 )
 
 
-def _int_var(env: dict[str, str] | Any, name: str) -> int:
+def _int_var(env: Mapping[str, str], name: str) -> int:
     value = env[name]
     try:
         return int(value)
@@ -443,7 +443,7 @@ def _int_var(env: dict[str, str] | Any, name: str) -> int:
         raise UsageError(f"{name}={value!r} is not an integer") from None
 
 
-def rendezvous_port(env: dict[str, str] | Any) -> int:
+def rendezvous_port(env: Mapping[str, str]) -> int:
     """MRC_PORT; else MASTER_PORT + 1 (torchrun's own store listens on MASTER_PORT);
     else 29501, plus SLURM_JOB_ID % 1000 under Slurm so jobs sharing a node differ."""
     if "MRC_PORT" in env:
@@ -459,7 +459,7 @@ def rendezvous_port(env: dict[str, str] | Any) -> int:
     return port
 
 
-def launch_env(env: dict[str, str] | Any) -> dict[str, Any]:
+def launch_env(env: Mapping[str, str]) -> dict[str, Any]:
     """What from_env() builds the communicator from: rank, size, unique_id and any of
     planes (MRC_PLANES), fabric (MRC_FABRIC), host (MRC_HOST), timeout (MRC_TIMEOUT)."""
     for rank_var, size_var, _who in RANK_VARS:

@@ -457,7 +457,7 @@ def command(coll: str) -> click.Command:
         size_list = sizes(
             parse_size(minbytes), parse_size(maxbytes), stepfactor, parse_size(stepbytes)
         )
-        kw = {} if timeout is None else {"timeout": timeout}
+        kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         with mrc.Communicator.from_env(**kw) as comm:
 
             def echo(line: str) -> None:
