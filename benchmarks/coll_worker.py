@@ -33,6 +33,7 @@ from typing import Any
 
 import click
 import numpy as np
+from common import CpuMeter
 
 from mrc.perf.coll import busbw_factor
 
@@ -40,11 +41,9 @@ COLLS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
 
 def machine_busy() -> tuple[float, float]:
-    """(busy jiffies, total jiffies) over all CPUs from /proc/stat."""
-    with open("/proc/stat") as f:
-        vals = [float(v) for v in f.readline().split()[1:]]
-    idle = vals[3] + vals[4]  # idle + iowait
-    return sum(vals) - idle, sum(vals)
+    """(busy jiffies, total jiffies) over all CPUs, from common.CpuMeter's /proc/stat."""
+    total, idle = CpuMeter._stat()
+    return float(total - idle), float(total)
 
 
 class Backend:
