@@ -6,7 +6,8 @@
                                       operation's schedule as it goes, for the test to pull
                                       and heal the cable at the right moments
 
-Every rank all-reduces the same input every time (a function of its rank), hashes each
+Every rank all-reduces the same input every time (a function of its rank; every other
+operation with async_op=True, so on the collectives' worker thread), hashes each
 result and prints one JSON line at the end: the hashes, the schedule of each operation
 and the agreed planes when the schedule changed. The schedule is agreed, so every rank
 stops after the same operation.
@@ -40,7 +41,11 @@ def main() -> None:
     went_resilient = False
     ok = True
     for i in range(limit):
-        comm.all_reduce(x, out)
+        if i % 2:
+            # Async: the shares are chosen (and the exchange run) on the worker thread.
+            comm.all_reduce(x, out, async_op=True).wait(60)
+        else:
+            comm.all_reduce(x, out)
         hashes.append(hashlib.sha256(out.tobytes()).hexdigest())
         st = comm.stats()["resilient"]
         name = st["schedule"]["schedule"]
