@@ -14,7 +14,7 @@ Runs as root. Fabric: routing/4host-4plane-1g.toml (4 planes x 1 Gbit/s per host
 Open MPI runs with mpi_yield_when_idle=1: 4 ranks on 2 cores, and its default busy
 polling otherwise starves the ranks that have work (8 B took 45 ms instead of 0.3 ms).
 
-    python benchmarks/collectives_fabric.py            # full: about 15 minutes idle
+    python benchmarks/collectives_fabric.py            # full: about 10 minutes idle (estimated)
     python benchmarks/collectives_fabric.py --quick    # 8 B .. 4 MiB (6 sizes), 2 iterations
 
 Writes results/collectives_fabric.json and .png (--quick: collectives_fabric-quick.*,

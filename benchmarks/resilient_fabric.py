@@ -18,7 +18,7 @@ float32 sum, 64 MiB and 256 MiB:
    equal shares measured, the model's candidates.
 5. The model at n = 16, 64, 1024.
 
-    python benchmarks/resilient_fabric.py            # full: about 12 minutes idle
+    python benchmarks/resilient_fabric.py            # full: about 8 minutes idle (estimated)
     python benchmarks/resilient_fabric.py --quick    # 4 MiB, 2 iterations
 
 Writes results/resilient_fabric.json and .png (--quick: resilient_fabric-quick.*).

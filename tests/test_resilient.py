@@ -68,24 +68,29 @@ def run_loop(fab: object, n: int) -> dict[int, dict]:
 
 
 def test_loopback_agrees_on_plane_counts_and_keeps_equal_shares() -> None:
-    """No fabric: the rates are counts of usable planes; all alike, so equal shares. With
-    MRC_RESILIENT=0 there is no exchange at all."""
+    """No fabric: the rates are counts of usable planes; all alike, so equal shares. The
+    exchange points: every all_reduce from MRC_RESILIENT_EXCHANGE_BYTES on, the first, and
+    every MRC_RESILIENT_EXCHANGE_EVERY-th; none with MRC_RESILIENT=0."""
     ref = reference_sha()
-    for flag, exchanges in (("1", 2), ("0", 0)):
-        env = {**os.environ, "MRC_RESILIENT_EXCHANGE_BYTES": "0", "MRC_RESILIENT": flag}
+    cases = (
+        ({"MRC_RESILIENT_EXCHANGE_BYTES": "0"}, 2, 2),
+        ({"MRC_RESILIENT_EXCHANGE_BYTES": "0", "MRC_RESILIENT": "0"}, 2, 0),
+        # Ops 1 (no agreement yet), 3 and 5 (two since the last).
+        ({"MRC_RESILIENT_EXCHANGE_BYTES": str(1 << 40), "MRC_RESILIENT_EXCHANGE_EVERY": "2"}, 5, 3),
+    )
+    for extra, n_ops, exchanges in cases:
         p = subprocess.run(
             [sys.executable, "-m", "mrc.run", "-n", "4", "--timeout", "30", "--",
-             sys.executable, WORKER, "loop", "2"],
-            capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+             sys.executable, WORKER, "loop", str(n_ops)],
+            capture_output=True, text=True, cwd=ROOT, env={**os.environ, **extra}, timeout=120,
         )  # fmt: skip
         assert p.returncode == 0, p.stdout + p.stderr
         got = results(p.stdout.splitlines(keepends=True))
         for r in range(4):
-            assert got[r]["hashes"] == [ref, ref]
-            assert got[r]["schedules"] == ["equal", "equal"]
+            assert got[r]["hashes"] == [ref] * n_ops
+            assert got[r]["schedules"] == ["equal"] * n_ops
             st = got[r]["stats"]
-            # The worker's own all_reduces only: 2 of them, each an exchange point.
-            assert st["exchanges"] == exchanges and st["all_reduces"] == 2
+            assert st["exchanges"] == exchanges and st["all_reduces"] == n_ops, (extra, st)
             if exchanges:
                 assert st["agreed"]["source"] == "planes"
                 assert st["agreed"]["send"] == [4.0] * 4

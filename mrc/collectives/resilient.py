@@ -6,8 +6,9 @@ bound) for the agreed rates and the message size; the executor runs the direct
 all_reduce with those shares, which keep the fixed reduction order, so a switch changes
 no bit of any result. This module joins them, per communicator:
 
-- At an exchange point (every all_reduce of at least `exchange_bytes`; every rank calls the
-  same collectives with the same sizes, so every rank reaches the same points) each rank
+- At an exchange point (every all_reduce of at least `exchange_bytes`, and every
+  `exchange_every`-th all_reduce of any size; every rank calls the same collectives with
+  the same sizes, so every rank reaches the same points) each rank
   reads its endpoint's path states, all-gathers the records through the executor (the
   same ordered, signature-checked path as any collective: a rank that skipped the exchange
   gets a mismatch error, not a wrong plan) and applies bandwidth.agree(), a pure rule:
@@ -48,6 +49,9 @@ log = logging.getLogger("mrc.collectives.resilient")
 # microseconds on the test fabric; 1 ms on the loaded 2-core machine). From 4 MiB on an
 # all_reduce takes over 10 ms at 4 x 1 Gbit/s, so the exchange is a few percent at most.
 DEFAULT_EXCHANGE_BYTES = 4 << 20
+# Smaller all_reduces refresh the agreement every this many all_reduces, so a job of only
+# small ones still sees a failed plane (and pays 1/64 of an exchange per operation).
+DEFAULT_EXCHANGE_EVERY = 64
 # One dependent hop (post, wire, completion) for plan()'s alpha term.
 DEFAULT_ALPHA = 50e-6
 # A plane's rate when no fabric file says it (loopback): only ratios matter for the shares,
@@ -85,6 +89,8 @@ class Resilience:
     enabled: plan at all (MRC_RESILIENT=0 turns it off: equal shares always).
     exchange_bytes: all_reduce size from which an operation is an exchange point
     (MRC_RESILIENT_EXCHANGE_BYTES; 0: every all_reduce).
+    exchange_every: smaller ones are one every this many all_reduces
+    (MRC_RESILIENT_EXCHANGE_EVERY).
     """
 
     def __init__(
@@ -93,6 +99,7 @@ class Resilience:
         *,
         enabled: bool | None = None,
         exchange_bytes: int | None = None,
+        exchange_every: int | None = None,
         alpha: float = DEFAULT_ALPHA,
         plane_rate: float = DEFAULT_PLANE_RATE,
     ) -> None:
@@ -105,6 +112,14 @@ class Resilience:
         )
         if self.exchange_bytes < 0:
             raise UsageError(f"exchange_bytes = {self.exchange_bytes}: must be >= 0")
+        self.exchange_every = (
+            _env_int("MRC_RESILIENT_EXCHANGE_EVERY", DEFAULT_EXCHANGE_EVERY)
+            if exchange_every is None
+            else exchange_every
+        )
+        if self.exchange_every < 1:
+            raise UsageError(f"exchange_every = {self.exchange_every}: must be >= 1")
+        self._last_exchange = 0  # self.ops at the last exchange
         self.alpha = alpha
         self.plane_rate = plane_rate
         self.nplanes = len(comm.endpoint.planes)
@@ -152,6 +167,7 @@ class Resilience:
         records = bandwidth.unpack_all(recv.tobytes(), comm.size)
         new = bandwidth.agree(records, self.agreed)
         self.exchanges += 1
+        self._last_exchange = self.ops
         if bandwidth.changed(self.agreed, new):
             self.epoch += 1
             self._plans.clear()
@@ -181,7 +197,11 @@ class Resilience:
                 n = self.comm.size
                 self._note(model.Plan("equal", (1.0 / n,) * n, math.nan), nbytes)
                 return None
-            if nbytes >= self.exchange_bytes or self.agreed is None:
+            if (
+                nbytes >= self.exchange_bytes
+                or self.agreed is None
+                or self.ops - self._last_exchange >= self.exchange_every
+            ):
                 self._exchange()
             assert self.agreed is not None
             plan = self._plans.get(nbytes)
@@ -254,6 +274,7 @@ class Resilience:
         return {
             "enabled": self.enabled,
             "exchange_bytes": self.exchange_bytes,
+            "exchange_every": self.exchange_every,
             "all_reduces": self.ops,
             "exchanges": self.exchanges,
             "epoch": self.epoch,
