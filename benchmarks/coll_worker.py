@@ -220,6 +220,7 @@ def sweep(be: Backend, coll: str, sizes: list[int], iters: int, warmup: int) -> 
         secs = (time.perf_counter() - t0) / iters
         cpu = (time.process_time() - c0) / iters
         b1 = machine_busy()
+        sched = be.schedule()  # before sum_over_ranks: that is an all_reduce of its own
         tot = be.sum_over_ranks(np.array([secs, cpu, float(wrong)], dtype=np.float64))
         if be.rank == 0:
             t = float(tot[0]) / be.size
@@ -237,7 +238,7 @@ def sweep(be: Backend, coll: str, sizes: list[int], iters: int, warmup: int) -> 
                         "rank_cpu_cores": float(tot[1]) / t,  # summed over the ranks
                         "machine_busy_cores": busy,
                         "wrong": int(tot[2]),
-                        "schedule": be.schedule(),
+                        "schedule": sched,
                     }
                 ),
                 flush=True,

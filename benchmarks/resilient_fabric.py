@@ -43,6 +43,38 @@ CABLES = ["h1-p1l0", "h1-p2l0", "h1-p3l0"]  # h1's planes 1, 2, 3 (plane 0 carri
 YIELD = [("mpi_yield_when_idle", "1")]
 
 
+def heal(fab: Any, cables: list[str]) -> None:
+    """Heal the cables and wait until h0 reaches h1 on each of their planes again: a peer
+    that starts before the routes and neighbours are back fails its connects (Open MPI
+    aborts at start-up)."""
+    import sys
+    import time
+
+    from mrc.routing import host_planes
+
+    # A TCP connect to a closed port: refused (exit 0) once the address is reachable.
+    probe = (
+        "import socket, sys\n"
+        "try:\n"
+        "    socket.create_connection((sys.argv[1], 9), timeout=1).close()\n"
+        "except ConnectionRefusedError:\n"
+        "    sys.exit(0)\n"
+        "except OSError:\n"
+        "    sys.exit(1)\n"
+    )
+
+    for c in cables:
+        fab.heal(c)
+    addrs = host_planes(fab.fabric, "h1")
+    for c in cables:
+        plane = CABLES.index(c) + 1
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            got = fab.run("h0", [sys.executable, "-c", probe, addrs[plane]], check=False)
+            if got.returncode == 0:
+                break
+
+
 def rates(lost: int) -> list[float]:
     r = [4 * PLANE_RATE] * N
     r[DEGRADED] = (4 - lost) * PLANE_RATE
@@ -101,7 +133,7 @@ def schedules_case(fab: Any, nbytes: int, iters: int) -> dict[str, Any]:
                 f"(model {rows[name]['overhead_model']:+.1%}) schedule {m['schedule']}"
             )
     finally:
-        fab.heal(CABLES[0])
+        heal(fab, CABLES[:1])
     bound = model.lower_bound(dr, dr, nbytes)
     mrc = rows["mrc"]
     bound_over = bound / healthy_model - 1
@@ -138,7 +170,7 @@ def loop_case(
             events["fail"] = (row["op"], t)
         if row["op"] == heal_op and "heal" not in events:
             events["fail"][1].join()
-            fab.heal(CABLES[0])
+            heal(fab, CABLES[:1])
             events["heal"] = row["op"]
 
     args = worker_args("all_reduce", [nbytes], 1, 0, "--loop", str(n_ops), "--random")
@@ -152,7 +184,7 @@ def loop_case(
     if "fail" in events:
         events["fail"][1].join()
     if "heal" not in events and "fail" in events:
-        fab.heal(CABLES[0])  # the run ended (or hung) before the heal
+        heal(fab, CABLES[:1])  # the run ended (or hung) before the heal
     ops = [r for r in run.rows if "op" in r]
     shas = {r["sha"] for r in ops}
     out = {
@@ -188,8 +220,7 @@ def overhead_vs_x(fab: Any, nbytes: int, iters: int) -> list[dict[str, Any]]:
             m = measure(fab, nbytes, iters, None)
             eq = measure(fab, nbytes, iters, [1 / N] * N)
         finally:
-            for c in CABLES[:lost]:
-                fab.heal(c)
+            heal(fab, CABLES[:lost])
         x = lost / 4
         mrc_model = model.share_time(model.plan(dr, nbytes).shares, dr, dr, nbytes)
         r2cc = model.r2cc_time(dr, dr, model.r2cc_y_opt(dr, dr), nbytes)
