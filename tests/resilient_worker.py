@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sys
 
 import numpy as np
@@ -32,6 +33,9 @@ def data(rank: int) -> np.ndarray:
 
 def main() -> None:
     mode, limit = sys.argv[1], int(sys.argv[2])
+    # The planner's INFO lines (new agreements, schedule switches) go to stderr: the test
+    # reads them from mrc-run's output.
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     comm = mrc.Communicator.from_env()
     x = data(comm.rank)
     out = np.empty_like(x)

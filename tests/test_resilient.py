@@ -60,11 +60,11 @@ def results(lines: list[str]) -> dict[int, dict]:
     return got
 
 
-def run_loop(fab: object, n: int) -> dict[int, dict]:
+def run_loop(fab: object, n: int) -> tuple[dict[int, dict], str]:
     p = launch(fab, "loop", str(n))
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0, out
-    return results(out.splitlines(keepends=True))
+    return results(out.splitlines(keepends=True)), out
 
 
 def test_loopback_agrees_on_plane_counts_and_keeps_equal_shares() -> None:
@@ -102,9 +102,9 @@ def test_loopback_agrees_on_plane_counts_and_keeps_equal_shares() -> None:
 def test_plane_failed_before_the_run_takes_the_resilient_schedule() -> None:
     ref = reference_sha()
     with fabric_up(FABRIC) as fab:
-        healthy = run_loop(fab, 3)
+        healthy, _ = run_loop(fab, 3)
         fab.fail(H1_PLANE1)
-        degraded = run_loop(fab, 12)
+        degraded, log = run_loop(fab, 12)
     for r in range(4):
         assert healthy[r]["hashes"] == [ref] * 3, r
         assert set(healthy[r]["schedules"]) == {"equal"}
@@ -123,6 +123,11 @@ def test_plane_failed_before_the_run_takes_the_resilient_schedule() -> None:
         assert sum(shares) == pytest.approx(1.0)
     # Every rank made the same choices at the same operations.
     assert len({json.dumps(degraded[r]["schedules"]) for r in range(4)}) == 1
+    # The log names the schedule and the bandwidths agreed (rank 0's lines).
+    switch = [ln for ln in log.splitlines() if ln.startswith("[0]") and "runs schedule" in ln]
+    assert switch and "resilient" in switch[-1] and "planes 023" in switch[-1], log
+    agreed = "rank 1: send/recv 0.750/0.750 of the fastest"
+    assert any(ln.startswith("[0]") and agreed in ln for ln in log.splitlines()), log
 
 
 @pytest.mark.root
