@@ -209,7 +209,11 @@ def test_chunk_sizes_and_shares_give_identical_bits() -> None:
                 run_ranks(rs, lambda rk, sh=shares: rk.all_reduce(ins[rk.rank].copy(), shares=sh))
             )
             results += [bits(o) for o in out]
+            st = rs[0].collective_stats()
     assert all(r == want for r in results)
+    assert st["ops"] == 1 and st["by_kind"] == {"all_reduce": 1}  # the last mesh's
+    assert st["last"]["share_bounds"] == [0, 0, count // 4, count // 2, count]
+    assert st["scratch_bytes"] == 3 * 3 * 1000 and st["failure"] is None
 
 
 def test_plane_failed_mid_all_reduce_gives_identical_bits() -> None:
