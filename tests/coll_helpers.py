@@ -131,7 +131,13 @@ def _enter_netns(name: str) -> None:
 
 @contextmanager
 def fabric_mesh(
-    fab: Any, hosts: Sequence[str], *, timeout: float = 20.0, ep_timeout: float = 5.0
+    fab: Any,
+    hosts: Sequence[str],
+    *,
+    timeout: float = 20.0,
+    ep_timeout: float = 5.0,
+    chunk_bytes: int = 0,
+    slots: int = 0,
 ) -> Iterator[list[Rank]]:
     """Ranks on fabric hosts (rank r on hosts[r]) in one process: each rank's
     endpoint and connections are made by a thread inside its host's namespace,
@@ -154,7 +160,9 @@ def fabric_mesh(
                 accepted = pools[j].submit(fes[j].accept, timeout=10)
                 peers[i][j] = pools[i].submit(fes[i].connect, hosts[j], port, 10).result()
                 peers[j][i] = accepted.result()
-        ranks = [Rank(r, n, fes[r].endpoint, peers[r], timeout, 0, 0) for r in range(n)]
+        ranks = [
+            Rank(r, n, fes[r].endpoint, peers[r], timeout, chunk_bytes, slots) for r in range(n)
+        ]
         yield ranks
     finally:
         for rk in ranks:
