@@ -300,6 +300,28 @@ def test_abort_from_another_thread() -> None:
             rs[0].barrier()
 
 
+@pytest.mark.parametrize("what", ["endpoint", "connection"])
+def test_closing_under_a_running_collective_is_safe(what: str) -> None:
+    """Closing the endpoint, or one connection, of a rank whose collective is
+    running (waiting for peers that never join) ends it with CollectiveError;
+    nothing is freed under the executor."""
+    with mesh(3, timeout=30) as rs:
+        x = np.ones(1 << 20, np.float32)
+        work = rs[0].all_reduce(x, async_op=True)
+        deadline = time.monotonic() + 10
+        while rs[0].endpoint.stats()["tx_bytes"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)  # until it has posted its sends
+        if what == "endpoint":
+            rs[0].endpoint.close()
+        else:
+            rs[0].peers[2].close()
+        with pytest.raises(CollectiveError):
+            work.wait(timeout=10)
+        with pytest.raises(CollectiveError):
+            rs[0].all_reduce(x)
+        x[:] = 2  # the buffer is the caller's again
+
+
 def test_peer_closed_mid_collective_is_named() -> None:
     timeout = 3.0
     with mesh(3, timeout=timeout, ep_timeout=1.0) as rs:
