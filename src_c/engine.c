@@ -262,6 +262,8 @@ static bool engine_drain(mrc_ep *ep)
  * ep->timed. Packets in flight (RTOs), ops queued (progress timeout, RNR
  * back-off) and paths not good (probes) tick every MRC_TIMER_NS; a connection
  * only waiting on posted RECVs needs its keepalives, MRC_KEEPALIVE_NS apart. */
+#define MRC_KEEPALIVE_GRID_NS 10000000ull
+
 static uint64_t conn_next_timer_pt(const mrc_conn *c, uint64_t now)
 {
     uint64_t tick = now + MRC_TIMER_NS;
@@ -280,6 +282,10 @@ static uint64_t conn_next_timer_pt(const mrc_conn *c, uint64_t now)
             due = d < due ? d : due;
         }
     }
+    /* Keepalives are rounded up to a common grid: those of many waiting
+     * connections fall due together, one wake-up for all of them. */
+    if (due != UINT64_MAX)
+        due = (due + MRC_KEEPALIVE_GRID_NS - 1) / MRC_KEEPALIVE_GRID_NS * MRC_KEEPALIVE_GRID_NS;
     return due;
 }
 
