@@ -403,7 +403,9 @@ void *engine_main(void *arg)
             link_poll_pt(ep); /* a busy loop may not sleep to see netlink wake it */
             engine_timers(ep, now);
         }
-        for (mrc_conn *c = ep->active; c; c = c->next_active)
+        /* Only connections with timers can have something to send: data to
+         * send means ops queued, retransmissions mean packets in flight. */
+        for (mrc_conn *c = ep->timed; c; c = c->next_timed)
             if (tx_run_pt(c))
                 ep->work = true;
         sock_flush_all_pt(ep);
