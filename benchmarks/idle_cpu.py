@@ -117,6 +117,8 @@ def plot(data: dict) -> None:
                 va="bottom",
                 fontsize=8,
             )
+    top = max(r["cpu_pct"] for rows in runs.values() for r in rows)
+    ax.set_ylim(0, max(top, TARGET_PCT) * 1.2)  # room for the labels
     ax.axhline(TARGET_PCT, color="gray", ls="--", lw=1, label=f"target {TARGET_PCT}%")
     ax.set_xticks(x, labels)
     ax.set_ylabel("% of one core (two endpoints)")
