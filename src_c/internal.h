@@ -89,6 +89,8 @@ static inline uint64_t rng_next(uint64_t *s)
     return x * 0x2545F4914F6CDD1Dull;
 }
 
+#define MRC_OP_CVS 16
+
 /* ---- objects ------------------------------------------------------------- */
 
 struct mrc_mr {
@@ -329,7 +331,9 @@ struct mrc_ep {
 
     /* [lock] */
     pthread_mutex_t lock;
-    pthread_cond_t cv;
+    pthread_cond_t cv;                  /* control requests, immediates, connection state */
+    pthread_cond_t op_cv[MRC_OP_CVS];   /* op waiters, by op_cv_index: a batch wakes only
+                                         * the buckets of its ops that someone waits on */
     bool stopping, sleeping;
     mrc_op *subq_head, *subq_tail;
     struct ctl *ctlq_head, *ctlq_tail;
@@ -357,6 +361,12 @@ struct mrc_ep {
     struct mrc_ep_stats st;
     bool work;               /* this loop iteration did something */
 };
+
+static inline unsigned op_cv_index(const void *op)
+{
+    uintptr_t a = (uintptr_t)op;
+    return (unsigned)((a >> 6) ^ (a >> 12)) % MRC_OP_CVS; /* ops are >= 64-byte allocations */
+}
 
 /* ep.c */
 int ep_ctl(mrc_ep *ep, struct ctl *c);

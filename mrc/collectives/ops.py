@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -180,6 +181,7 @@ class Collectives:
         self._coll_queued = 0
         self._coll_worker: threading.Thread | None = None
         self._coll_closed = False
+        self._coll_stats: dict[str, Any] = {"ops": 0, "by_kind": {}, "last": None}
 
     def _collectives_abort(self, err: CollectiveError) -> None:
         """The communicator failed (or was aborted): end the running collective."""
@@ -235,6 +237,7 @@ class Collectives:
         sig: int,
     ) -> None:
         self._check_usable()
+        t0 = time.perf_counter()
         rc, peer = self._coll_exec.run(
             packed,
             None if send is None else send.obj,
@@ -245,8 +248,29 @@ class Collectives:
             self.timeout,
         )
         if rc == 0:
+            st = self._coll_stats
+            st["ops"] += 1
+            kinds = st["by_kind"]
+            kinds[packed.name] = kinds.get(packed.name, 0) + 1
+            st["last"] = {
+                "call": what,
+                "schedule": packed.name,
+                "seconds": time.perf_counter() - t0,
+                **packed.info,
+            }
             return
         raise self._failed(what, rc, peer)
+
+    def collective_stats(self) -> dict[str, Any]:
+        """Collectives run (total and per schedule), the last one (its call,
+        schedule, seconds, and for all_reduce the share bounds in elements),
+        the executor's scratch bytes, and the failure that ended the
+        communicator, if any."""
+        st = dict(self._coll_stats)
+        st["by_kind"] = dict(st["by_kind"])
+        st["scratch_bytes"] = self._coll_exec.scratch_bytes
+        st["failure"] = None if self._coll_failure is None else str(self._coll_failure)
+        return st
 
     def _failed(self, what: str, rc: int, peer: int) -> CollectiveError:
         r = self.rank
@@ -326,11 +350,15 @@ class Collectives:
         *,
         dtype: str | None = None,
         shares: Sequence[float] | None = None,
+        algo: str = "auto",
         async_op: bool = False,
     ) -> Any:
         """recv = send[0] op send[1] op ... op send[n-1] (rank order, every element).
         recv None: in place. shares: each rank's fraction of the elements it
-        reduces (the same on every rank; default equal). Returns recv."""
+        reduces (the same on every rank; default equal). algo: "direct"
+        (reduce-scatter + all-gather), "gather" (everyone sends everyone its
+        input: one exchange, for small messages) or "auto" (gather up to 16 KiB
+        without shares); every algo gives the same bits. Returns recv."""
         s = as_buffer(send, dtype, "all_reduce send", recv is None)
         r = s if recv is None else as_buffer(recv, dtype, "all_reduce recv", True)
         self._same(s, r, "all_reduce", 1)
@@ -338,26 +366,35 @@ class Collectives:
         sh = None if shares is None else tuple(float(x) for x in shares)
         if sh is not None and len(sh) != self.size:
             raise UsageError(f"all_reduce: shares has {len(sh)} entries for {self.size} ranks")
+        if algo == "auto":
+            small = s.count * s.esize <= S.GATHER_MAX_BYTES and sh is None
+            algo = "gather" if small else "direct"
+        if algo not in ("direct", "gather"):
+            raise UsageError(f"all_reduce: algo must be auto, direct or gather, got {algo!r}")
         what = f"all_reduce of {s.count} {s.dtype} ({op})"
         out = send if recv is None else recv
         resilience = getattr(self, "_resilience", None)
-        if sh is None and resilience is not None:
+        if sh is None and algo == "direct" and resilience is not None:
             # Issue 13: the shares come from the bandwidths every rank agreed on, chosen
             # where the operation runs, in its place in the order (resilient.py).
+            lag_ = self.slots or 4
+
             def run() -> Any:
                 chosen = resilience.shares_for(s.count * s.esize)
-                packed = resilience.packed(s.count, s.esize, chosen, op == "avg")
-                sig = signature("all_reduce", s.count, s.dtype, op, chosen)
+                packed = resilience.packed(s.count, s.esize, chosen, op == "avg", lag_)
+                sig = signature("all_reduce", s.count, s.dtype, op, chosen, "direct")
                 return self._do(what, packed, s, r, s.dtype, code, sig, out)
 
             return self._submit(what, run, async_op)
-        key = ("all_reduce", s.count, s.esize, sh, op == "avg")
+        key = ("all_reduce", s.count, s.esize, sh, op == "avg", algo)
         n, rank, lag = self.size, self.rank, self.slots or 4
         packed = self._plan(
             key,
-            lambda: S.all_reduce(rank, n, s.count, s.esize, shares=sh, avg=op == "avg", lag=lag),
+            lambda: S.all_reduce(
+                rank, n, s.count, s.esize, shares=sh, avg=op == "avg", lag=lag, algo=algo
+            ),
         )
-        sig = signature("all_reduce", s.count, s.dtype, op, sh)
+        sig = signature("all_reduce", s.count, s.dtype, op, sh, algo)
         return self._submit(
             what, lambda: self._do(what, packed, s, r, s.dtype, code, sig, out), async_op
         )

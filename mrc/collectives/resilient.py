@@ -251,14 +251,26 @@ class Resilience:
                     _short(self.agreed),
                 )
 
-    def packed(self, count: int, esize: int, shares: tuple[float, ...] | None, avg: bool) -> Any:
-        """The executor's plan of this all_reduce, cached here: it is built on whichever
-        thread runs the operation, so not in the mixin's cache (filled by callers)."""
-        key = (count, esize, shares, avg)
+    def packed(
+        self, count: int, esize: int, shares: tuple[float, ...] | None, avg: bool, lag: int
+    ) -> Any:
+        """The executor's plan of this (direct) all_reduce, cached here: it is built on
+        whichever thread runs the operation, so not in the mixin's cache (filled by
+        callers). lag: the mixin's step lag (its scratch slots)."""
+        key = (count, esize, shares, avg, lag)
         with self._lock:
             packed = self._packed.get(key)
         if packed is None:
-            sch = S.all_reduce(self.comm.rank, self.comm.size, count, esize, shares=shares, avg=avg)
+            sch = S.all_reduce(
+                self.comm.rank,
+                self.comm.size,
+                count,
+                esize,
+                shares=shares,
+                avg=avg,
+                lag=lag,
+                algo="direct",
+            )
             packed = sch.pack()
             with self._lock:
                 if len(self._packed) >= _PLAN_CACHE:
