@@ -11,7 +11,7 @@
  * schedule's source order: the result never depends on arrival order.
  *
  * Matching: the messages of one direction of a pair are posted in one order
- * (steps by pair_seq, chunks in order) on both sides, and received with
+ * on both sides (chunks by chunk index + step lag, then pair_seq), and received with
  * MRC_TAG_ANY, so the n-th RECV takes the n-th SEND whatever its tag; the
  * tag then says whether the sender ran the same call (signature), the same
  * collective (the pair's sequence number) and the same step and chunk. A
@@ -85,7 +85,7 @@ struct run {
     uint8_t *done_pool;
     /* per peer and direction (0 send, 1 recv): its steps in pair_seq order */
     uint32_t **list;
-    uint32_t *nlist, *cursor, *inflight;
+    uint32_t *nlist, *inflight;
     uint8_t *bufs[2];
     uint64_t buf_len[2];
     size_t esize;
@@ -489,6 +489,32 @@ static int post_chunk(struct run *r, uint32_t s, uint32_t i)
     return 0;
 }
 
+/* The step whose next chunk is the next message of queue q (a peer and
+ * direction): chunk i of a step is message key i + lag, ties to the lower
+ * pair_seq; both ends compute the same order from the same steps. Lag lets a
+ * later phase interleave with an earlier one (all-gather chunk i after
+ * reduce-scatter chunk i + lag) instead of waiting for all of it, so its
+ * RECVs are posted before its data arrives and nothing is staged. Every
+ * message depends only on messages of lower keys, so the order cannot
+ * deadlock. */
+static int next_message(const struct run *r, int q)
+{
+    int best = -1;
+    uint64_t best_key = UINT64_MAX;
+    for (uint32_t k = 0; k < r->nlist[q]; k++) {
+        uint32_t s = r->list[q][k];
+        const struct step_rt *st = &r->st[s];
+        if (st->next >= st->nchunks)
+            continue;
+        uint64_t key = (uint64_t)st->next + r->p->steps[s].lag;
+        if (key < best_key) {
+            best_key = key;
+            best = (int)s;
+        }
+    }
+    return best;
+}
+
 /* Starts every chunk that can start: local steps run now, transfers are
  * posted in pair order up to the window. Returns how many started, or an
  * error (r->rc set). */
@@ -512,13 +538,12 @@ static int issue(struct run *r)
         }
     }
     for (int q = 0; q < 2 * r->c->nranks; q++) {
-        while (r->cursor[q] < r->nlist[q] && (int)r->inflight[q] < r->c->window) {
-            uint32_t s = r->list[q][r->cursor[q]];
+        while ((int)r->inflight[q] < r->c->window) {
+            int sn = next_message(r, q);
+            if (sn < 0)
+                break;
+            uint32_t s = (uint32_t)sn;
             struct step_rt *st = &r->st[s];
-            if (st->next == st->nchunks) {
-                r->cursor[q]++;
-                continue;
-            }
             if (!ready(r, s, st->next))
                 break;
             int rc = post_chunk(r, s, st->next);
@@ -658,9 +683,8 @@ static int run_alloc(struct run *r)
     r->rings = calloc(p->nrings ? p->nrings : 1, sizeof(*r->rings));
     r->list = calloc((size_t)nq, sizeof(*r->list));
     r->nlist = calloc((size_t)nq, sizeof(uint32_t));
-    r->cursor = calloc((size_t)nq, sizeof(uint32_t));
     r->inflight = calloc((size_t)nq, sizeof(uint32_t));
-    if (!r->st || !r->rings || !r->list || !r->nlist || !r->cursor || !r->inflight)
+    if (!r->st || !r->rings || !r->list || !r->nlist || !r->inflight)
         return -ENOMEM;
     for (int q = 0; q < nq; q++)
         if (!(r->list[q] = calloc(p->nsteps ? p->nsteps : 1, sizeof(uint32_t))))
@@ -691,7 +715,6 @@ static void run_free(struct run *r)
             free(r->list[q]);
     free(r->list);
     free(r->nlist);
-    free(r->cursor);
     free(r->inflight);
     free(r->st);
     free(r->rings);

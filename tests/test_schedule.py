@@ -107,7 +107,8 @@ def test_checks_catch_bad_schedules() -> None:
     with pytest.raises(UsageError, match="without depending"):
         sch.check()
     a, b = S.send(0, 2, 1, 10), S.recv(1, 2, 0, 12)
-    with pytest.raises(UsageError, match=r"sends \[10\] to rank 1, which receives \[12\]"):
+    want = r"sends \[\(10, 0\)\] to rank 1, which receives \[\(12, 0\)\]"
+    with pytest.raises(UsageError, match=want):
         S.check_pair([a, b])
 
 

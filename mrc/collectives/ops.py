@@ -161,7 +161,7 @@ class Collectives:
     peers: list[Any]
     timeout: float
     chunk_bytes: int = 0  # 0: the executor's default (256 KiB)
-    slots: int = 0  # scratch slots per ring; 0: 4
+    slots: int = 4  # scratch slots per ring: the pipeline depth (and the planner's lag)
 
     # -- life (called by the communicator) --
     def _collectives_init(self) -> None:
@@ -340,9 +340,10 @@ class Collectives:
             raise UsageError(f"all_reduce: shares has {len(sh)} entries for {self.size} ranks")
         what = f"all_reduce of {s.count} {s.dtype} ({op})"
         key = ("all_reduce", s.count, s.esize, sh, op == "avg")
-        n, rank = self.size, self.rank
+        n, rank, lag = self.size, self.rank, self.slots or 4
         packed = self._plan(
-            key, lambda: S.all_reduce(rank, n, s.count, s.esize, shares=sh, avg=op == "avg")
+            key,
+            lambda: S.all_reduce(rank, n, s.count, s.esize, shares=sh, avg=op == "avg", lag=lag),
         )
         sig = signature("all_reduce", s.count, s.dtype, op, sh)
         out = send if recv is None else recv
@@ -370,10 +371,10 @@ class Collectives:
             self._same(s, r, "reduce", 1)
         code = _op(op)
         what = f"reduce of {s.count} {s.dtype} ({op}, root {root})"
-        n, rank = self.size, self.rank
+        n, rank, lag = self.size, self.rank, self.slots or 4
         packed = self._plan(
             ("reduce", s.count, s.esize, root, op == "avg"),
-            lambda: S.reduce(rank, n, s.count, s.esize, root, avg=op == "avg"),
+            lambda: S.reduce(rank, n, s.count, s.esize, root, avg=op == "avg", lag=lag),
         )
         sig = signature("reduce", s.count, s.dtype, op, root)
         out = (send if recv is None else recv) if rank == root else None
