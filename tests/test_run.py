@@ -123,14 +123,17 @@ def rank_results(stdout: str) -> dict[int, dict[str, object]]:
 
 
 def test_communicators_under_mrc_run() -> None:
+    """from_env() under mrc-run, with --planes 2: two loopback planes per rank."""
     res = mrc_run(
-        "-n", "4", "--timeout", "10", "--", sys.executable, WORKER, "mesh", "env", "env", "env", "0"
-    )
+        "-n", "4", "--timeout", "10", "--planes", "2",
+        "--", sys.executable, WORKER, "mesh", "env", "env", "env", "0",
+    )  # fmt: skip
     assert res.returncode == 0, res.stdout
     got = rank_results(res.stdout)
     for r in range(4):
         assert got[r].get("ok"), got[r]
         assert got[r]["got"] == {str(p): expected_sha(p, r) for p in range(4) if p != r}
+        assert got[r]["npaths"] == [0 if p == r else 2 for p in range(4)]
 
 
 def test_killed_rank_under_mrc_run() -> None:
