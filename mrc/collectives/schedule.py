@@ -96,6 +96,8 @@ class Packed:
     refs: np.ndarray
     deps: np.ndarray
     nrings: int
+    name: str = ""
+    info: dict = field(default_factory=dict)  # e.g. all_reduce's share bounds
 
 
 @dataclass
@@ -110,6 +112,7 @@ class Schedule:
     recv_bytes: int
     steps: list[Step] = field(default_factory=list)
     nrings: int = 0
+    info: dict = field(default_factory=dict)
     _seq: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
     _packed: Packed | None = field(default=None, repr=False)
 
@@ -202,7 +205,9 @@ class Schedule:
         ref_arr = np.zeros(len(refs), REF_DTYPE)
         for i, (b, o) in enumerate(refs):
             ref_arr[i]["buf"], ref_arr[i]["off"] = b, o
-        self._packed = Packed(steps, ref_arr, np.asarray(deps, dtype="<u4"), self.nrings)
+        self._packed = Packed(
+            steps, ref_arr, np.asarray(deps, dtype="<u4"), self.nrings, self.name, self.info
+        )
         return self._packed
 
 
@@ -308,6 +313,7 @@ def all_reduce(
         sch.reduce(Ref(BUF_RECV, 0), [Ref(BUF_SEND, 0)], nbytes, (), avg)
         return sch
     b = share_bounds(count, n, shares)
+    sch.info["share_bounds"] = b
     mine = (b[rank + 1] - b[rank]) * esize
     red, rs_sends = _reduce_scatter_phase(sch, b, esize, Ref(BUF_RECV, b[rank] * esize), avg)
     for d in range(1, n):
