@@ -386,3 +386,14 @@ def test_close_waits_for_the_others_at_most_the_timeout() -> None:
     assert c1._released.wait(5)  # so its close() will not wait
     c1.close()
     assert c1.failure is None  # a peer that closed is not a failure
+
+
+def test_a_communicator_of_one() -> None:
+    with mrc.Communicator(0, 1, mrc.get_unique_id(), timeout=5, planes=1) as comm:
+        assert comm.peers == [None] and comm.hosts and comm.failure is None
+        if hasattr(comm, "all_reduce"):
+            x = np.arange(5, dtype=np.float32)
+            comm.all_reduce(x)
+            assert x.tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(mrc.CollectiveError, match="closed"):
+        comm.check_failure()

@@ -288,10 +288,10 @@ def _make(test: str) -> None:
 for _test in TESTS:
     _make(_test)
 
-# `mrc-perf model`: the AllReduce cost model (mrc/perf/model_cli.py); runs nothing.
-main.add_command(model_cli.model)
 # The collective tests (nccl-tests' all_reduce_perf ...), run on every rank under mrc-run.
 coll_commands.register(main)
+# `mrc-perf model`: the AllReduce cost model (mrc/perf/model_cli.py); runs nothing.
+main.add_command(model_cli.model)
 
 
 if __name__ == "__main__":
