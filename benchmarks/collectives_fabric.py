@@ -88,6 +88,7 @@ def sweep(fab: Any, fw: str, quick: bool) -> dict[str, Any]:
     return {
         "rows": rows,
         "status": [r.status for r in runs],
+        "retried_start": [r.retried for r in runs],
         "errors": [r.message for r in runs if r.status != "ok"],
     }
 
@@ -151,7 +152,12 @@ def main(quick: bool) -> None:
             for fw in ("mrc", "gloo", "mpi_default"):
                 r = launch(fab, fw, coll, [other_size], 2 if quick else 5, 1)
                 row = r.rows[0] if r.rows else None
-                other[coll][fw] = {"row": row, "status": r.status, "error": r.message}
+                other[coll][fw] = {
+                    "row": row,
+                    "status": r.status,
+                    "error": r.message if r.status != "ok" else None,
+                    "retried_start": r.retried,
+                }
                 click.echo(f"  {coll:15s} {fw:12s} busbw {gbps(row)} Gbit/s ({r.status})")
     big, mid = (4 << 20, 1 << 20) if quick else (KEY_SIZE, 1 << 20)
     summary = ratios(res, big, mid, 8)
