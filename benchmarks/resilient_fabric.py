@@ -124,16 +124,21 @@ def schedules_case(fab: Any, nbytes: int, iters: int) -> dict[str, Any]:
                 "shares": [round(v, 5) for v in used],
                 "model_s": pred,
                 "measured_vs_model": m["time_s"] / pred,
-                "overhead_measured": m["time_s"] / healthy_m["time_s"] - 1,
                 "overhead_model": pred / healthy_model - 1,
             }
-            click.echo(
-                f"  {nbytes >> 20} MiB {name:11s} {m['time_s'] * 1e3:8.1f} ms (model "
-                f"{pred * 1e3:7.1f}) overhead {rows[name]['overhead_measured']:+.1%} "
-                f"(model {rows[name]['overhead_model']:+.1%}) schedule {m['schedule']}"
-            )
     finally:
         heal(fab, CABLES[:1])
+    # Healthy again after the heal, the faster of the two (as in overhead_vs_x).
+    again = measure(fab, nbytes, iters, None)
+    if again["time_s"] < healthy_m["time_s"]:
+        healthy_m = again
+    for name, row in rows.items():
+        row["overhead_measured"] = row["time_s"] / healthy_m["time_s"] - 1
+        click.echo(
+            f"  {nbytes >> 20} MiB {name:11s} {row['time_s'] * 1e3:8.1f} ms (model "
+            f"{row['model_s'] * 1e3:7.1f}) overhead {row['overhead_measured']:+.1%} "
+            f"(model {row['overhead_model']:+.1%}) schedule {row['schedule']}"
+        )
     bound = model.lower_bound(dr, dr, nbytes)
     mrc = rows["mrc"]
     bound_over = bound / healthy_model - 1
