@@ -69,14 +69,18 @@ def run_loop(fab: object, n: int) -> tuple[dict[int, dict], str]:
 
 def test_loopback_agrees_on_plane_counts_and_keeps_equal_shares() -> None:
     """No fabric: the rates are counts of usable planes; all alike, so equal shares. The
-    exchange points: every all_reduce from MRC_RESILIENT_EXCHANGE_BYTES on, the first, and
-    every MRC_RESILIENT_EXCHANGE_EVERY-th; none with MRC_RESILIENT=0."""
+    exchange points: every all_reduce from MRC_RESILIENT_EXCHANGE_BYTES on, the first 8,
+    and every MRC_RESILIENT_EXCHANGE_EVERY-th; none with MRC_RESILIENT=0."""
     ref = reference_sha()
     cases = (
         ({"MRC_RESILIENT_EXCHANGE_BYTES": "0"}, 2, 2),
         ({"MRC_RESILIENT_EXCHANGE_BYTES": "0", "MRC_RESILIENT": "0"}, 2, 0),
-        # Ops 1 (no agreement yet), 3 and 5 (two since the last).
-        ({"MRC_RESILIENT_EXCHANGE_BYTES": str(1 << 40), "MRC_RESILIENT_EXCHANGE_EVERY": "2"}, 5, 3),
+        # Ops 1..8 (the early ones), then 10 and 12 (two since the last).
+        (
+            {"MRC_RESILIENT_EXCHANGE_BYTES": str(1 << 40), "MRC_RESILIENT_EXCHANGE_EVERY": "2"},
+            12,
+            10,
+        ),
     )
     for extra, n_ops, exchanges in cases:
         p = subprocess.run(

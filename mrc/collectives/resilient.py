@@ -6,9 +6,9 @@ bound) for the agreed rates and the message size; the executor runs the direct
 all_reduce with those shares, which keep the fixed reduction order, so a switch changes
 no bit of any result. This module joins them, per communicator:
 
-- At an exchange point (every all_reduce of at least `exchange_bytes`, and every
-  `exchange_every`-th all_reduce of any size; every rank calls the same collectives with
-  the same sizes, so every rank reaches the same points) each rank
+- At an exchange point (every all_reduce of at least `exchange_bytes`, the first
+  EARLY_EXCHANGES, and every `exchange_every`-th of any size; every rank calls the same
+  collectives with the same sizes, so every rank reaches the same points) each rank
   reads its endpoint's path states, all-gathers the records through the executor (the
   same ordered, signature-checked path as any collective: a rank that skipped the exchange
   gets a mismatch error, not a wrong plan) and applies bandwidth.agree(), a pure rule:
@@ -52,6 +52,10 @@ DEFAULT_EXCHANGE_BYTES = 4 << 20
 # Smaller all_reduces refresh the agreement every this many all_reduces, so a job of only
 # small ones still sees a failed plane (and pays 1/64 of an exchange per operation).
 DEFAULT_EXCHANGE_EVERY = 64
+# The first all_reduces of a communicator are all exchange points: its fresh endpoint learns
+# of a cable that was down before it opened only from the first packets lost on it, so the
+# first agreement may not know yet.
+EARLY_EXCHANGES = 8
 # One dependent hop (post, wire, completion) for plan()'s alpha term.
 DEFAULT_ALPHA = 50e-6
 # A plane's rate when no fabric file says it (loopback): only ratios matter for the shares,
@@ -199,7 +203,7 @@ class Resilience:
                 return None
             if (
                 nbytes >= self.exchange_bytes
-                or self.agreed is None
+                or self.ops <= EARLY_EXCHANGES
                 or self.ops - self._last_exchange >= self.exchange_every
             ):
                 self._exchange()
