@@ -31,7 +31,14 @@
 #define MRC_MSGW 1024u          /* messages in flight per connection */
 #define MRC_DEFAULT_MSS 8192u
 #define MRC_MAX_MSS 65000u
-#define MRC_PKT_MAX (MRC_DATA_HDR_LEN + MRC_MAX_MSS)
+/* What one staged SEND costs beyond its payload (allocator headers, the
+ * staged_msg, the rx_msg slot): charged against max_unexpected so that empty
+ * and tiny SENDs are bounded in number too, not only in bytes. */
+#define MRC_STAGE_MSG_COST 256u
+/* Immediates delivered and not yet taken by the application, per
+ * connection; past it the last packet of a WRITE-with-immediate is refused
+ * as receiver-not-ready and the sender backs off. */
+#define MRC_IMM_MAX 4096u
 
 /* Timing policy (ns). */
 #define MRC_TIMER_NS 250000ull          /* timer scan period */
@@ -89,6 +96,8 @@ static inline uint64_t rng_next(uint64_t *s)
 
 struct mrc_mr {
     mrc_ep *ep;        /* [const] */
+    int ops;           /* [lock] operations posted with it and not yet completed */
+    bool dereg;        /* [lock] being deregistered: no new posts */
     struct mrc_mr *own_prev, *own_next; /* [lock] ep->own_mrs: freed by mrc_ep_destroy */
     uint8_t *addr;     /* [const] */
     uint64_t len;      /* [const] */
@@ -115,6 +124,7 @@ struct mrc_op {
     uint64_t res_bytes, res_tag;
     struct mrc_op *prev, *next; /* conn's txops / recvq list */
     struct mrc_op *qnext;       /* submission or completion list */
+    bool mr_counted;            /* [lock] counted in mr->ops until published */
     /* [lock] */
     int done, status;
 };
@@ -230,12 +240,18 @@ struct mrc_conn {
 
     /* [lock] immediates delivered to the user */
     struct imm_ev *imm_head, *imm_tail;
+    /* Immediates queued = imm_queued (progress thread) - imm_taken (API). */
+    uint32_t imm_queued;      /* delivered or admitted (last packet accepted) */
+    atomic_uint imm_taken;
+    uint32_t staged_count;    /* staged messages, delivered or not */
 };
 
 /* A socket: one per plane (receives everything for the plane, sends plain
  * IP paths) plus one per distinct SRv6 route (send only, sticky SRH). */
 struct txbatch {
     int n, sent;
+    uint64_t retired;  /* packets that left the batch (sent or given up) before
+                        * the current n: retired + sent only grows */
     struct mmsghdr msg[MRC_BATCH];
     struct iovec iov[MRC_BATCH][2];     /* header, payload: contiguous, so a run of
                                          * packets is one iovec array (UDP GSO) */
@@ -286,6 +302,10 @@ struct plane {
 struct mrc_ep {
     /* [const] */
     struct mrc_ep_config cfg;
+    /* The caller's reference plus one per operation not yet freed: an op may
+     * be waited on or released after mrc_ep_destroy, so the struct (its lock
+     * and condition) lives until the last op goes (ep_unref). */
+    atomic_int refs;
     int nplanes;
     struct plane planes[MRC_MAX_PLANES];
     int epfd, evfd, nl_fd;
@@ -295,6 +315,7 @@ struct mrc_ep {
     pthread_mutex_t lock;
     pthread_cond_t cv;
     bool stopping, sleeping;
+    bool stopped;      /* the progress thread has returned: nothing touches objects now */
     mrc_op *subq_head, *subq_tail;
     struct ctl *ctlq_head, *ctlq_tail;
     uint32_t conn_free[MRC_SLOTS], nconn_free; /* free slot stack */
@@ -311,6 +332,12 @@ struct mrc_ep {
     mrc_conn *active;        /* connections in the datapath */
     mrc_conn *ackq;          /* connections owing ACKs */
     mrc_op *done_head;       /* completions to publish */
+    /* Completions held back because a socket batch still holds packets that
+     * may read their buffers (sendmmsg said EAGAIN): `held` is published once
+     * every socket has sent what it held when `held` was closed
+     * (held_need[s]); `next` collects completions meanwhile (ep_hold_pt). */
+    mrc_op *held, *held_tail, *next_held, *next_held_tail;
+    uint64_t held_need[MRC_MAX_PLANES + MRC_MAX_PATHS * 4];
     uint64_t rng;
     uint64_t next_timer_ns;
     uint8_t *rxbuf;          /* MRC_BATCH * rx_slot bytes */
@@ -325,6 +352,8 @@ void ep_wake(mrc_ep *ep);
 void op_complete_pt(mrc_ep *ep, mrc_op *op, int status);
 void ep_publish_pt(mrc_ep *ep);
 void conn_fail_pt(mrc_conn *c, int err, int op_err);
+void ep_unref(mrc_ep *ep);
+void ep_hold_pt(mrc_ep *ep, bool force);
 void conn_free(mrc_conn *c);
 void ep_ctl_run_pt(mrc_ep *ep, struct ctl *c);
 int addr_parse(const char *s, uint16_t port, struct sockaddr_storage *ss, socklen_t *len);
@@ -352,14 +381,14 @@ void tx_on_nak_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
 void tx_lose_pt(mrc_conn *c, struct tx_pkt *t);
 void tx_timers_pt(mrc_conn *c, uint64_t now);
 void tx_flush_path_pt(mrc_conn *c, struct path *p);
-void tx_release_pt(mrc_conn *c);
+void tx_release_pt(mrc_conn *c, int err);
 
 /* rx.c */
 void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, uint8_t *buf,
                   size_t len, uint64_t now);
 void rx_flush_acks_pt(mrc_ep *ep);
 void rx_post_recv_pt(mrc_conn *c, mrc_op *op);
-void rx_release_pt(mrc_conn *c);
+void rx_release_pt(mrc_conn *c, int err);
 
 /* path.c */
 struct path *path_pick_pt(mrc_conn *c, uint32_t len, int avoid);
@@ -407,7 +436,6 @@ static inline bool inject_drop(mrc_ep *ep, const struct path *p)
            (double)(rng_next(&ep->rng) >> 11) * (1.0 / 9007199254740992.0) < pl->tx_loss;
 }
 
-#define CNT(ep, field) ((ep)->st.field++)
 #define DROP(ep, reason) ((ep)->st.drops[MRC_DROP_##reason]++)
 
 #endif /* MRC_INTERNAL_H */

@@ -10,6 +10,7 @@
  */
 #include "internal.h"
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -143,18 +144,21 @@ static void rx_deliver_pt(mrc_conn *c)
             !psn_lt(m->last_psn, c->rx_cum))
             break;
         if (m->type == MRC_PKT_WRITE && (m->flags & MRC_F_IMM)) {
+            /* Room was reserved when its last packet was admitted (imm_queued). */
             struct imm_ev *ev = malloc(sizeof(*ev));
-            if (ev) {
-                *ev = (struct imm_ev){.imm = m->imm, .len = m->msg_len};
-                pthread_mutex_lock(&ep->lock);
-                if (c->imm_tail)
-                    c->imm_tail->next = ev;
-                else
-                    c->imm_head = ev;
-                c->imm_tail = ev;
-                pthread_cond_broadcast(&ep->cv);
-                pthread_mutex_unlock(&ep->lock);
+            if (!ev) { /* an immediate is never dropped silently */
+                conn_fail_pt(c, -ENOMEM, -ENOMEM);
+                return;
             }
+            *ev = (struct imm_ev){.imm = m->imm, .len = m->msg_len};
+            pthread_mutex_lock(&ep->lock);
+            if (c->imm_tail)
+                c->imm_tail->next = ev;
+            else
+                c->imm_head = ev;
+            c->imm_tail = ev;
+            pthread_cond_broadcast(&ep->cv);
+            pthread_mutex_unlock(&ep->lock);
         } else if (m->type == MRC_PKT_SEND && m->recv) {
             recv_complete(c, m->recv, NULL, m->msg_len, m->key);
         } else if (m->type == MRC_PKT_SEND) {
@@ -168,10 +172,17 @@ static void rx_deliver_pt(mrc_conn *c)
                 recv_complete(c, r, m->stage, m->msg_len, m->key);
                 free(m->stage);
                 c->staged_bytes -= m->msg_len;
+                c->staged_count--;
             } else {
                 struct staged_msg *s = malloc(sizeof(*s));
-                if (!s) /* cannot happen in practice; the message is lost loudly */
-                    abort();
+                if (!s) { /* a connection error, never abort() the process */
+                    free(m->stage);
+                    m->stage = NULL;
+                    c->staged_bytes -= m->msg_len;
+                    c->staged_count--;
+                    conn_fail_pt(c, -ENOMEM, -ENOMEM);
+                    return;
+                }
                 *s = (struct staged_msg){.tag = m->key, .len = m->msg_len, .data = m->stage};
                 if (c->unexp_tail)
                     c->unexp_tail->next = s;
@@ -199,6 +210,7 @@ void rx_post_recv_pt(mrc_conn *c, mrc_op *op)
             c->unexp_tail = prev;
         recv_complete(c, op, s->data, s->len, s->tag);
         c->staged_bytes -= s->len;
+        c->staged_count--;
         free(s->data);
         free(s);
         return;
@@ -258,6 +270,19 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
             send_nak(c, h->path, h->psn, d->msn, MRC_NAK_BOUNDS);
             return;
         }
+        /* The immediate queue is bounded as staging is: while the application
+         * leaves MRC_IMM_MAX immediates untaken, the packet that would
+         * complete another is refused as not ready (the message cannot be
+         * delivered without it), and the sender backs off. */
+        if ((h->flags & (MRC_F_LAST | MRC_F_IMM)) == (MRC_F_LAST | MRC_F_IMM)) {
+            uint32_t queued = c->imm_queued - atomic_load(&c->imm_taken);
+            if (queued >= MRC_IMM_MAX) {
+                DROP(ep, NO_BUFFER);
+                send_nak(c, h->path, h->psn, d->msn, MRC_NAK_RNR);
+                return;
+            }
+            c->imm_queued++;
+        }
         dst = mr->addr + d->offset;
     } else {
         /* Known from its first packet on, even if refused below: later
@@ -275,17 +300,21 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
              * (test_overtaken_message_is_admitted_when_staging_is_full).
              * Total staging stays below twice max_unexpected. Zeroed: a message delivered with holes (a peer
              * that lies about FIRST/LAST) must not expose old heap contents. */
-            uint64_t used = c->staged_bytes;
+            /* Each message also costs MRC_STAGE_MSG_COST: 200,000 empty
+             * SENDs were all staged (+16 MiB) when only bytes counted. */
+            uint64_t max = ep->cfg.max_unexpected;
+            uint64_t used = c->staged_bytes + (uint64_t)c->staged_count * MRC_STAGE_MSG_COST;
             if (d->msn == c->rx_deliver_msn)
-                used -= c->undelivered_bytes;
-            if (used > ep->cfg.max_unexpected ||
-                d->msg_len > ep->cfg.max_unexpected - used || /* no overflow */
+                used -= c->undelivered_bytes + (uint64_t)c->staging * MRC_STAGE_MSG_COST;
+            if (used > max || d->msg_len > max - used || /* no overflow */
+                MRC_STAGE_MSG_COST > max - used - d->msg_len ||
                 !(m->stage = calloc(1, d->msg_len ? d->msg_len : 1))) {
                 DROP(ep, NO_BUFFER);
                 send_nak(c, h->path, h->psn, d->msn, MRC_NAK_RNR);
                 return;
             }
             c->staged_bytes += d->msg_len;
+            c->staged_count++;
             c->undelivered_bytes += d->msg_len;
             ep->st.staged_msgs++;
             c->staging++;
@@ -433,9 +462,9 @@ void rx_flush_acks_pt(mrc_ep *ep)
 }
 
 /* Frees receive state; posted RECVs fail with the connection's error. */
-void rx_release_pt(mrc_conn *c)
+void rx_release_pt(mrc_conn *c, int err)
 {
-    int err = c->error ? c->error : MRC_ECLOSED;
+    err = err ? err : MRC_ECLOSED;
     while (c->recvq_head) {
         mrc_op *op = c->recvq_head;
         recvq_unlink(c, op);
@@ -458,6 +487,7 @@ void rx_release_pt(mrc_conn *c)
     }
     c->unexp_tail = NULL;
     c->staged_bytes = 0;
+    c->staged_count = 0;
     c->undelivered_bytes = 0;
     c->staging = 0;
 }

@@ -245,6 +245,7 @@ int sock_flush_pt(mrc_ep *ep, struct msock *s)
             b->sent += b->gcount[k];
         ep->work = true;
     }
+    b->retired += (uint64_t)b->n; /* ep_hold_pt counts what left */
     b->n = b->sent = 0;
     return 0;
 }
