@@ -17,33 +17,43 @@ from mrc._datapath import (
     RemoteRegion,
 )
 from mrc.errors import (
+    BusyError,
     ConnectionClosedError,
     KeyRejectedError,
     MrcError,
+    NoBuffersError,
     PathDownError,
     ProtocolError,
+    ReceiverNotReadyError,
+    SystemCallError,
     TimeoutError,
     TruncatedError,
     UnreachableError,
     UsageError,
+    WaitTimeout,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TAG_ANY",
+    "BusyError",
     "Connection",
     "ConnectionClosedError",
     "Endpoint",
     "KeyRejectedError",
     "MemoryRegion",
     "MrcError",
+    "NoBuffersError",
     "Operation",
     "PathDownError",
     "ProtocolError",
+    "ReceiverNotReadyError",
     "RemoteRegion",
+    "SystemCallError",
     "TimeoutError",
     "TruncatedError",
     "UnreachableError",
     "UsageError",
+    "WaitTimeout",
 ]

@@ -384,6 +384,15 @@ int mrc_mr_reg(mrc_ep *ep, void *addr, size_t len, int access, mrc_mr **out)
 
 uint64_t mrc_mr_key(const mrc_mr *mr) { return mr->key; }
 
+int mrc_mr_pending(const mrc_mr *mr)
+{
+    mrc_ep *ep = mr->ep;
+    pthread_mutex_lock(&ep->lock);
+    int n = mr->ops;
+    pthread_mutex_unlock(&ep->lock);
+    return n;
+}
+
 int mrc_mr_dereg(mrc_mr *mr)
 {
     if (!mr)

@@ -145,6 +145,8 @@ uint64_t mrc_mr_key(const mrc_mr *mr);
  * handle is gone. Posts racing this call either count (then it is busy) or
  * are refused with MRC_EUSAGE. */
 int mrc_mr_dereg(mrc_mr *mr);
+/* Operations posted with the region and not yet completed (why dereg is busy). */
+int mrc_mr_pending(const mrc_mr *mr);
 
 /* ---- operations ---------------------------------------------------------- */
 
