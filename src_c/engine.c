@@ -175,6 +175,9 @@ void ep_ctl_run_pt(mrc_ep *ep, struct ctl *x)
     case CTL_RX_INJECT:
         testing_rx_inject_pt(ep, x->arg);
         break;
+    case CTL_TX_STALL:
+        ep->tx_stall = x->iarg != 0;
+        break;
     case CTL_INJECT:
         ep->planes[x->iarg].tx_loss = *(double *)x->arg;
         ep->planes[x->iarg].down = *(int *)x->arg2 != 0;

@@ -276,7 +276,7 @@ struct msock {
 };
 
 enum ctl_type { CTL_CONN_ADD = 1, CTL_CONN_DEL, CTL_MR_ADD, CTL_MR_DEL, CTL_STATS, CTL_INJECT,
-                CTL_RX_INJECT };
+                CTL_RX_INJECT, CTL_TX_STALL };
 
 struct ctl {
     int type;
@@ -344,6 +344,7 @@ struct mrc_ep {
     uint32_t rx_slot;
     struct mrc_ep_stats st;
     bool work;               /* this loop iteration did something */
+    bool tx_stall;           /* testing: every sendmmsg 'fails' with EAGAIN */
 };
 
 /* ep.c */

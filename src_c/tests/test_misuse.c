@@ -9,6 +9,10 @@
  *                      in tx_emit_pt before)
  *   op_after_destroy   wait/done/result/release of ops after mrc_ep_destroy
  *                      (mrc_op_wait locked a freed endpoint's lock before)
+ *   held_while_queued  sendmmsg EAGAIN (mrc_ep_testing_tx_stall) keeps packets in a
+ *                      batch: the op failed by closing its connection is reported
+ *                      complete only once they left (before: at once, and the
+ *                      batch then read a buffer the caller had freed)
  *   reuse_after_done   tiny socket buffers and loss: a buffer freed right after
  *                      its op completed is never read again (on loopback the
  *                      kernel rarely answers EAGAIN, so this smoke-tests the
@@ -19,6 +23,7 @@
  *   rnr_limit          a receiver that never posts its RECV: MRC_ERNR, not a hang
  *   readonly           read-only memory is a SEND/WRITE source, never a RECV target
  */
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -27,6 +32,7 @@
 #include "check.h"
 #include "connect.h"
 #include "mrc.h"
+#include "mrc_testing.h"
 
 struct pair {
     mrc_ep *a, *b;
@@ -148,6 +154,40 @@ static void op_after_destroy(void)
         mrc_op_release(ops[i]); /* the last one frees what is left of the endpoints */
     free(src);
     free(dst);
+}
+
+static void held_while_queued(void)
+{
+    enum { SZ = 64 << 10 };
+    struct pair p;
+    pair_up(&p, NULL, NULL);
+    uint8_t *src = calloc(SZ, 1), *dst = calloc(SZ, 1);
+    mrc_mr *ms, *md;
+    CHECK_RC(mrc_mr_reg(p.a, src, SZ, 0, &ms));
+    CHECK_RC(mrc_mr_reg(p.b, dst, SZ, MRC_ACCESS_REMOTE_WRITE, &md));
+    CHECK_RC(mrc_ep_testing_tx_stall(p.a, 1));
+    mrc_op *w;
+    CHECK_RC(mrc_post_write(p.ca, ms, 0, SZ, mrc_mr_key(md), 0, 0, 0, &w));
+    /* Two round trips to the progress thread: the second request is taken
+     * in a later loop than the post, after that loop queued the packets. */
+    struct mrc_ep_stats st;
+    CHECK_RC(mrc_ep_get_stats(p.a, &st, NULL, 0));
+    CHECK_RC(mrc_ep_get_stats(p.a, &st, NULL, 0));
+    CHECK(st.tx_pkts >= SZ / 8192);
+    mrc_conn_destroy(p.ca); /* fails the write: ECLOSED */
+    /* its packets still sit in the batch, pointing into src */
+    CHECK(mrc_op_wait(w, 200) == -ETIMEDOUT);
+    CHECK(mrc_mr_dereg(ms) == MRC_EBUSY);
+    CHECK_RC(mrc_ep_testing_tx_stall(p.a, 0));
+    CHECK(mrc_op_wait(w, 10000) == 0);
+    CHECK(status_of(w) == MRC_ECLOSED);
+    mrc_op_release(w);
+    CHECK_RC(mrc_mr_dereg(ms));
+    free(src); /* nothing may read it now (ASan checks sendmmsg's iovecs) */
+    CHECK_RC(mrc_mr_dereg(md));
+    free(dst);
+    p.ca = NULL;
+    pair_down(&p);
 }
 
 static void reuse_after_done(void)
@@ -312,6 +352,7 @@ int main(void)
 {
     dereg_busy();
     op_after_destroy();
+    held_while_queued();
     reuse_after_done();
     empty_sends();
     imm_bound();
