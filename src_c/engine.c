@@ -297,6 +297,7 @@ void *engine_main(void *arg)
                     break;
             }
         }
+        rx_copy_run_pt(ep); /* staged messages, a slice per pass */
         uint64_t now = now_ns();
         if (now >= ep->next_timer_ns) {
             link_poll_pt(ep);

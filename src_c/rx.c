@@ -63,15 +63,109 @@ static void recvq_unlink(mrc_conn *c, mrc_op *op)
     DL_UNLINK(c->recvq_head, c->recvq_tail, op, prev, next);
 }
 
-static void recv_complete(mrc_conn *c, mrc_op *r, const uint8_t *data, uint64_t len,
-                          uint64_t tag)
+static void imm_publish(mrc_conn *c, struct imm_ev *ev)
 {
-    uint64_t n = len < r->len ? len : r->len;
-    if (data && n)
-        memcpy(r->mr->addr + r->loff, data, n);
-    r->res_bytes = len;
-    r->res_tag = tag;
-    op_complete_pt(c->ep, r, len > r->len ? MRC_ETRUNC : 0);
+    mrc_ep *ep = c->ep;
+    pthread_mutex_lock(&ep->lock);
+    if (c->imm_tail)
+        c->imm_tail->next = ev;
+    else
+        c->imm_head = ev;
+    c->imm_tail = ev;
+    pthread_cond_broadcast(&ep->cv);
+    pthread_mutex_unlock(&ep->lock);
+}
+
+/* Ends a copy job (or an inline completion): data was staged, and is
+ * charged against max_unexpected until it is freed here. */
+static void job_finish(mrc_conn *c, mrc_op *r, uint8_t *data, uint64_t len, uint64_t tag,
+                       struct imm_ev *ev)
+{
+    if (data) {
+        free(data);
+        c->staged_bytes -= len;
+        c->staged_count--;
+    }
+    if (r) {
+        r->res_bytes = len;
+        r->res_tag = tag;
+        op_complete_pt(c->ep, r, len > r->len ? MRC_ETRUNC : 0);
+    }
+    if (ev)
+        imm_publish(c, ev);
+}
+
+static void conn_copy_run(mrc_conn *c, uint64_t *budget);
+
+/* Queues a completion behind the copies in progress, or does it now when
+ * there are none and the copy is small. data (staged, may be NULL) is
+ * owned from here on. */
+static void complete_in_order(mrc_conn *c, mrc_op *r, uint8_t *data, uint64_t len,
+                              uint64_t tag, struct imm_ev *ev)
+{
+    uint64_t n = r ? (len < r->len ? len : r->len) : 0;
+    if (!c->copy_head && (!data || n <= MRC_COPY_BUDGET)) {
+        if (data && n)
+            memcpy(r->mr->addr + r->loff, data, n);
+        job_finish(c, r, data, len, tag, ev);
+        return;
+    }
+    struct copy_job *j = malloc(sizeof(*j));
+    if (!j) { /* no memory for the job: copy now, slow but correct and in order */
+        uint64_t all = UINT64_MAX;
+        conn_copy_run(c, &all);
+        if (data && n)
+            memcpy(r->mr->addr + r->loff, data, n);
+        job_finish(c, r, data, len, tag, ev);
+        return;
+    }
+    *j = (struct copy_job){.r = r, .data = data, .len = len, .tag = tag, .ev = ev};
+    if (c->copy_tail)
+        c->copy_tail->next = j;
+    else
+        c->copy_head = j;
+    c->copy_tail = j;
+}
+
+static void recv_complete(mrc_conn *c, mrc_op *r, uint8_t *data, uint64_t len, uint64_t tag)
+{
+    complete_in_order(c, r, data, len, tag, NULL);
+}
+
+/* Runs c's jobs in order while *budget bytes of copying remain. */
+static void conn_copy_run(mrc_conn *c, uint64_t *budget)
+{
+    while (c->copy_head) {
+        struct copy_job *j = c->copy_head;
+        uint64_t n = j->r ? (j->len < j->r->len ? j->len : j->r->len) : 0;
+        if (j->data && j->off < n) {
+            if (!*budget)
+                return;
+            uint64_t k = n - j->off < *budget ? n - j->off : *budget;
+            memcpy(j->r->mr->addr + j->r->loff + j->off, j->data + j->off, k);
+            j->off += k;
+            *budget -= k;
+            if (j->off < n)
+                return;
+        }
+        c->copy_head = j->next;
+        if (!c->copy_head)
+            c->copy_tail = NULL;
+        job_finish(c, j->r, j->data, j->len, j->tag, j->ev);
+        free(j);
+    }
+}
+
+/* Copies at most MRC_COPY_BUDGET bytes out of staging, over every
+ * connection, finishing jobs in order; runs once per progress-loop pass. */
+void rx_copy_run_pt(mrc_ep *ep)
+{
+    uint64_t budget = MRC_COPY_BUDGET;
+    for (mrc_conn *c = ep->active; c; c = c->next_active) {
+        conn_copy_run(c, &budget);
+        if (c->copy_head)
+            ep->work = true;
+    }
 }
 
 /*
@@ -137,7 +231,6 @@ static mrc_op *rx_bind_recv(mrc_conn *c, struct rx_msg *m)
 
 static void rx_deliver_pt(mrc_conn *c)
 {
-    mrc_ep *ep = c->ep;
     for (;;) {
         struct rx_msg *m = &c->msgs[c->rx_deliver_msn % MRC_MSGW];
         if (!m->used || m->msn != c->rx_deliver_msn || !m->have_last ||
@@ -151,14 +244,7 @@ static void rx_deliver_pt(mrc_conn *c)
                 return;
             }
             *ev = (struct imm_ev){.imm = m->imm, .len = m->msg_len};
-            pthread_mutex_lock(&ep->lock);
-            if (c->imm_tail)
-                c->imm_tail->next = ev;
-            else
-                c->imm_head = ev;
-            c->imm_tail = ev;
-            pthread_cond_broadcast(&ep->cv);
-            pthread_mutex_unlock(&ep->lock);
+            complete_in_order(c, NULL, NULL, 0, 0, ev);
         } else if (m->type == MRC_PKT_SEND && m->recv) {
             recv_complete(c, m->recv, NULL, m->msg_len, m->key);
         } else if (m->type == MRC_PKT_SEND) {
@@ -169,10 +255,7 @@ static void rx_deliver_pt(mrc_conn *c)
                 r = r->next;
             if (r) {
                 recvq_unlink(c, r);
-                recv_complete(c, r, m->stage, m->msg_len, m->key);
-                free(m->stage);
-                c->staged_bytes -= m->msg_len;
-                c->staged_count--;
+                recv_complete(c, r, m->stage, m->msg_len, m->key); /* frees it */
             } else {
                 struct staged_msg *s = malloc(sizeof(*s));
                 if (!s) { /* a connection error, never abort() the process */
@@ -208,10 +291,7 @@ void rx_post_recv_pt(mrc_conn *c, mrc_op *op)
             c->unexp_head = s->next;
         if (c->unexp_tail == s)
             c->unexp_tail = prev;
-        recv_complete(c, op, s->data, s->len, s->tag);
-        c->staged_bytes -= s->len;
-        c->staged_count--;
-        free(s->data);
+        recv_complete(c, op, s->data, s->len, s->tag); /* frees s->data */
         free(s);
         return;
     }
@@ -465,6 +545,16 @@ void rx_flush_acks_pt(mrc_ep *ep)
 void rx_release_pt(mrc_conn *c, int err)
 {
     err = err ? err : MRC_ECLOSED;
+    while (c->copy_head) {
+        struct copy_job *j = c->copy_head;
+        c->copy_head = j->next;
+        if (j->r)
+            op_complete_pt(c->ep, j->r, err);
+        free(j->data);
+        free(j->ev);
+        free(j);
+    }
+    c->copy_tail = NULL;
     while (c->recvq_head) {
         mrc_op *op = c->recvq_head;
         recvq_unlink(c, op);

@@ -21,6 +21,9 @@
  *                      messages are bounded, the sender is told to back off
  *   imm_bound          WRITE-with-immediate nobody takes: bounded, then all arrive
  *   rnr_limit          a receiver that never posts its RECV: MRC_ERNR, not a hang
+ *   staged_copy_out    multi-MiB staged SENDs are copied out in slices (was one
+ *                      memcpy on the progress thread: spurious RTOs): bytes exact,
+ *                      every RECV completes with its bytes
  *   readonly           read-only memory is a SEND/WRITE source, never a RECV target
  */
 #include <errno.h>
@@ -324,6 +327,48 @@ static void rnr_limit(void)
     pair_down(&p);
 }
 
+static void staged_copy_out(void)
+{
+    enum { SZ = 3 << 20, N = 3 };
+    struct pair p;
+    pair_up(&p, NULL, NULL);
+    uint8_t *src = malloc(SZ), *dst = calloc(N, SZ), *wdst = calloc(1, 64);
+    for (size_t i = 0; i < SZ; i++)
+        src[i] = (uint8_t)(i * 7 + i / 4096);
+    mrc_mr *ms, *md, *mw;
+    CHECK_RC(mrc_mr_reg(p.a, src, SZ, 0, &ms));
+    CHECK_RC(mrc_mr_reg(p.b, dst, (size_t)N * SZ, 0, &md));
+    CHECK_RC(mrc_mr_reg(p.b, wdst, 64, MRC_ACCESS_REMOTE_WRITE, &mw));
+    mrc_op *s[N], *r[N], *w;
+    for (int i = 0; i < N; i++)
+        CHECK_RC(mrc_post_send(p.ca, ms, 0, SZ, 5, &s[i]));
+    CHECK_RC(mrc_post_write(p.ca, ms, 0, 64, mrc_mr_key(mw), 0, 77, MRC_WRITE_IMM, &w));
+    for (int i = 0; i < N; i++) /* acknowledged: all staged at b */
+        CHECK(mrc_op_wait(s[i], 10000) == 0 && status_of(s[i]) == 0);
+    CHECK(mrc_op_wait(w, 10000) == 0 && status_of(w) == 0);
+    for (int i = 0; i < N; i++)
+        CHECK_RC(mrc_post_recv(p.cb, md, (uint64_t)i * SZ, SZ, 5, &r[i]));
+    uint32_t imm;
+    uint64_t len;
+    CHECK_RC(mrc_conn_wait_imm(p.cb, 10000, &imm, &len));
+    CHECK(imm == 77 && len == 64);
+    for (int i = 0; i < N; i++) {
+        CHECK(mrc_op_wait(r[i], 10000) == 0);
+        CHECK_RC(status_of(r[i]));
+        CHECK(memcmp(dst + (size_t)i * SZ, src, SZ) == 0);
+        mrc_op_release(r[i]);
+        mrc_op_release(s[i]);
+    }
+    mrc_op_release(w);
+    CHECK_RC(mrc_mr_dereg(ms));
+    CHECK_RC(mrc_mr_dereg(md));
+    CHECK_RC(mrc_mr_dereg(mw));
+    free(src);
+    free(dst);
+    free(wdst);
+    pair_down(&p);
+}
+
 static const uint8_t rodata[4096] = {1, 2, 3, 4, 5};
 
 static void readonly(void)
@@ -357,6 +402,7 @@ int main(void)
     empty_sends();
     imm_bound();
     rnr_limit();
+    staged_copy_out();
     readonly();
     DONE("test_misuse");
     return 0;
