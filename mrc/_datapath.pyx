@@ -123,6 +123,7 @@ cdef class Endpoint:
     cdef c.mrc_ep *ep
     cdef object _children  # WeakSet of Connection and MemoryRegion
     cdef list _orphans     # ops dropped while pending, with the region they use
+    cdef list _late_regions  # registered while close() ran: views released after it
     cdef int _busy         # calls running without the GIL on self.ep
     cdef readonly tuple planes
     cdef readonly int mss
@@ -132,6 +133,7 @@ cdef class Endpoint:
         self.ep = NULL
         self._children = weakref.WeakSet()
         self._orphans = []
+        self._late_regions = []
         self._busy = 0
 
     def __init__(self, planes=("127.0.0.1",), *, int port=0, int mss=8192,
@@ -246,12 +248,14 @@ cdef class Endpoint:
         cdef c.mrc_conn *cp = NULL
         cdef int rc
         cdef int ms = _ms(timeout)
-        # close() from another thread waits for this call to return (at its
-        # timeout, or when a peer connects).
+        # close() from another thread stops the listener (mrc_ep_unlisten) and
+        # waits for this call to return.
         cdef c.mrc_ep *ep = self._enter()
         try:
             with nogil:
                 rc = c.mrc_ep_accept(ep, ms, &cp)
+            if self.ep == NULL:  # closed meanwhile: mrc_ep_destroy frees cp
+                raise errors.ConnectionClosedError("endpoint closed while accepting")
         finally:
             self._leave()
         if rc == c.MRC_ETIMEOUT:
@@ -390,8 +394,8 @@ cdef class Endpoint:
     def close(self) -> None:
         """Close every connection (their pending operations fail with
         ConnectionClosedError), then every region, then stop the progress thread.
-        Waits for calls of other threads that are inside the endpoint (accept()
-        until its timeout, connect(), stats())."""
+        Calls of other threads inside the endpoint end first (a blocked accept()
+        is woken and raises ConnectionClosedError)."""
         if self.ep == NULL:
             return
         regions = []
@@ -404,12 +408,17 @@ cdef class Endpoint:
             (<MemoryRegion>mr)._abandon()  # freed by mrc_ep_destroy, after every op
         cdef c.mrc_ep *ep = self.ep
         self.ep = NULL  # no new call from here on
+        c.mrc_ep_unlisten(ep)  # a blocked accept() returns
         _wait_idle(self, "endpoint")
+        for child in list(self._children):  # made by calls that were inside
+            if isinstance(child, Connection):
+                (<Connection>child).conn = NULL  # mrc_ep_destroy frees it
         with nogil:
             c.mrc_ep_destroy(ep)
         # Every operation has completed: the buffers may go.
-        for mr in regions:
+        for mr in regions + self._late_regions:
             (<MemoryRegion>mr)._release_view()
+        self._late_regions = []
         self._orphans = []
 
     @property
@@ -490,6 +499,10 @@ cdef class MemoryRegion:
         try:
             with nogil:
                 rc = c.mrc_mr_reg(e, buf, n, access, &self.mr)
+            if rc == 0 and ep.ep == NULL:  # closed meanwhile: mrc_ep_destroy frees it
+                self.mr = NULL
+                ep._late_regions.append(self)  # the view goes after mrc_ep_destroy
+                raise errors.ConnectionClosedError("endpoint closed while registering")
         finally:
             ep._leave()
         if rc:

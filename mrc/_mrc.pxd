@@ -69,6 +69,7 @@ cdef extern from "mrc.h" nogil:
         char segs[8][64]
 
     int mrc_ep_listen(mrc_ep *ep, const char *addr, uint16_t port, uint16_t *bound_port)
+    int mrc_ep_unlisten(mrc_ep *ep)
     int mrc_conn_create(mrc_ep *ep, const char *name, mrc_conn **out)
     int mrc_conn_add_path(mrc_conn *c, const mrc_path_spec *p)
     int mrc_conn_connect(mrc_conn *c, const char *addr, uint16_t port, int timeout_ms)

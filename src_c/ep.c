@@ -266,6 +266,19 @@ void ep_unref(mrc_ep *ep)
     free(ep);
 }
 
+int mrc_ep_unlisten(mrc_ep *ep)
+{
+    pthread_mutex_lock(&ep->lock);
+    int fd = ep->listen_fd;
+    pthread_mutex_unlock(&ep->lock);
+    /* shutdown, not close: poll() in a blocked accept wakes (POLLHUP) and
+     * accept4 fails with EINVAL, while the descriptor stays ours until
+     * mrc_ep_destroy (a closed number could be reused under that accept). */
+    if (fd >= 0 && shutdown(fd, SHUT_RDWR) < 0 && errno != ENOTCONN)
+        return -errno;
+    return 0;
+}
+
 int mrc_ep_nplanes(const mrc_ep *ep) { return ep->nplanes; }
 
 int mrc_ep_plane(const mrc_ep *ep, int plane, char *addr, size_t addrlen, uint16_t *port)

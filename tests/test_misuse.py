@@ -287,3 +287,49 @@ def test_libmrc_exports_only_mrc_symbols() -> None:
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all mrc_*" in r.stdout
+
+
+def test_close_while_another_thread_accepts() -> None:
+    run_isolated("""
+    ep = mrc.Endpoint(["127.0.0.1"])
+    ep.listen()
+    got = []
+    def acceptor():
+        try:
+            ep.accept(timeout=None)
+        except BaseException as e:
+            got.append(e)
+    t = threading.Thread(target=acceptor)
+    t.start()
+    time.sleep(0.05)  # let it block (if it has not yet, it finds the endpoint closed)
+    t0 = time.monotonic()
+    ep.close()
+    t.join(timeout=30)
+    assert not t.is_alive() and time.monotonic() - t0 < 5
+    assert got and isinstance(got[0], mrc.ConnectionClosedError), got
+    """)
+
+
+def test_close_racing_register_and_stats() -> None:
+    run_isolated("""
+    for round in range(10):
+        ep = mrc.Endpoint(["127.0.0.1"])
+        stop = []
+        def worker():
+            bufs = []
+            try:
+                while True:
+                    b = np.zeros(1 << 16, np.uint8)
+                    bufs.append((b, ep.register(b)))
+                    ep.stats()
+            except mrc.ConnectionClosedError:
+                pass
+            except BaseException as e:
+                stop.append(e)
+        t = threading.Thread(target=worker)
+        t.start()
+        time.sleep(0.01 * (round % 3))
+        ep.close()
+        t.join(timeout=30)
+        assert not t.is_alive() and not stop, stop
+    """)

@@ -112,6 +112,9 @@ struct mrc_path_spec {
 };
 
 int mrc_ep_listen(mrc_ep *ep, const char *addr, uint16_t port, uint16_t *bound_port);
+/* Stops listening: an mrc_ep_accept blocked in another thread returns at once
+ * with an error (so that thread can leave before mrc_ep_destroy). */
+int mrc_ep_unlisten(mrc_ep *ep);
 /* A connection under construction: add paths, then connect or establish. */
 int mrc_conn_create(mrc_ep *ep, const char *name, mrc_conn **out);
 /* With no paths added, the connection uses plane k -> peer plane k. */
