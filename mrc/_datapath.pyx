@@ -125,6 +125,7 @@ cdef class Endpoint:
     cdef list _orphans     # ops dropped while pending, with the region they use
     cdef list _late_regions  # registered while close() ran: views released after it
     cdef int _busy         # calls running without the GIL on self.ep
+    cdef Py_ssize_t _reap_at  # reap orphans when this many: amortised O(1) per post
     cdef readonly tuple planes
     cdef readonly int mss
     cdef readonly double timeout
@@ -135,6 +136,7 @@ cdef class Endpoint:
         self._orphans = []
         self._late_regions = []
         self._busy = 0
+        self._reap_at = 64
 
     def __init__(self, planes=("127.0.0.1",), *, int port=0, int mss=8192,
                  double timeout=5.0, int window=4096, int sockbuf=8 << 20,
@@ -199,8 +201,9 @@ cdef class Endpoint:
 
     def _reap(self) -> None:
         """Forget dropped operations that have completed (their regions may go)."""
-        if self._orphans:
+        if len(self._orphans) >= self._reap_at:
             self._orphans = [o for o in self._orphans if not o.done]
+            self._reap_at = max(64, 2 * len(self._orphans))
 
     def listen(self, int port=0, str addr=None) -> int:
         """Accept connections on TCP `port` (0: any) of `addr` (default: plane 0).
