@@ -333,3 +333,22 @@ def test_close_racing_register_and_stats() -> None:
         t.join(timeout=30)
         assert not t.is_alive() and not stop, stop
     """)
+
+
+def test_immediates_nobody_takes_are_bounded() -> None:
+    """Regression: the immediate queue grew without bound (and a failed malloc
+    dropped an immediate silently). Past 4096 untaken, the sender is refused."""
+    n = 4096 + 200
+    with connected_pair(1) as p:
+        ms = p.a.register(np.zeros(8, np.uint8))
+        md = p.b.register(np.zeros(8, np.uint8))
+        ops = [p.ca.write(ms, md.descriptor(), imm=i) for i in range(n)]
+        deadline = time.monotonic() + 30
+        while p.a.stats()["rnr_naks"] == 0 and time.monotonic() < deadline:
+            pass  # polling the sender's counter
+        assert p.a.stats()["rnr_naks"] > 0
+        assert not ops[-1].done  # held back by the receiver, not lost
+        got = [p.cb.wait_imm(timeout=20)[0] for _ in range(n)]
+        assert got == list(range(n))
+        for op in ops:
+            op.wait(timeout=20)
