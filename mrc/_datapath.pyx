@@ -749,9 +749,16 @@ cdef class Connection:
         if cp == NULL:
             return
         self.conn = NULL  # before the GIL goes: no other thread may use it now
-        _wait_idle(self, "connection")  # wait_imm() sees it within a slice
-        with nogil:
-            c.mrc_conn_destroy(cp)
+        # Busy on the endpoint too, before the GIL can go: Endpoint.close() in
+        # another thread waits for this destroy before it frees the endpoint.
+        cdef Endpoint ep = self.endpoint
+        ep._busy += 1
+        try:
+            _wait_idle(self, "connection")  # wait_imm() sees it within a slice
+            with nogil:
+                c.mrc_conn_destroy(cp)
+        finally:
+            ep._busy -= 1
 
     @property
     def closed(self) -> bool:

@@ -352,3 +352,24 @@ def test_immediates_nobody_takes_are_bounded() -> None:
         assert got == list(range(n))
         for op in ops:
             op.wait(timeout=20)
+
+
+def test_connection_close_racing_endpoint_close() -> None:
+    run_isolated("""
+    for round in range(20):
+        with connected_pair(1) as p:
+            ms = p.a.register(pattern(1 << 20, 7))
+            md = p.b.register(np.zeros(1 << 20, np.uint8))
+            ops = [p.ca.write(ms, md.descriptor()) for _ in range(4)]
+            t = threading.Thread(target=p.ca.close)
+            t.start()
+            time.sleep(0.0005 * (round % 4))
+            p.a.close()
+            t.join(timeout=30)
+            assert not t.is_alive()
+            for op in ops:
+                try:
+                    op.wait(timeout=10)
+                except mrc.ConnectionClosedError:
+                    pass
+    """)
