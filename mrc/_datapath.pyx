@@ -253,18 +253,20 @@ cdef class Endpoint:
         cdef int ms = _ms(timeout)
         # close() from another thread stops the listener (mrc_ep_unlisten) and
         # waits for this call to return.
+        cdef Connection conn = None
         cdef c.mrc_ep *ep = self._enter()
         try:
             with nogil:
                 rc = c.mrc_ep_accept(ep, ms, &cp)
             if self.ep == NULL:  # closed meanwhile: mrc_ep_destroy frees cp
                 raise errors.ConnectionClosedError("endpoint closed while accepting")
+            if rc == 0:  # a child before we leave: a racing close() then sees it
+                conn = Connection._wrap(self, cp)
         finally:
             self._leave()
         if rc == c.MRC_ETIMEOUT:
             raise errors.WaitTimeout(f"no peer connected within {timeout} s")
         check(rc, "Failed to accept a connection")
-        cdef Connection conn = Connection._wrap(self, cp)
         if callable(paths):
             paths = paths(conn.peer_name)
         try:
@@ -288,9 +290,7 @@ cdef class Endpoint:
         writable; with remote_write=False a read-only buffer is accepted too (it can
         then only be a SEND or WRITE source). The region keeps a reference to `obj`
         until closed."""
-        mr = MemoryRegion._make(self, obj, remote_write, 0, 0)
-        self._children.add(mr)
-        return mr
+        return MemoryRegion._make(self, obj, remote_write, 0, 0)
 
     def register_address(self, uintptr_t address, uint64_t length, owner, *,
                          bint remote_write=False, bint readonly=False) -> MemoryRegion:
@@ -307,10 +307,8 @@ cdef class Endpoint:
         if owner is None:
             raise errors.UsageError("register_address: an owner that keeps the memory "
                                     "alive is required")
-        mr = MemoryRegion._make(self, owner, remote_write, address, length if length else 0,
-                                raw=True, readonly=readonly)
-        self._children.add(mr)
-        return mr
+        return MemoryRegion._make(self, owner, remote_write, address, length,
+                                  raw=True, readonly=readonly)
 
     def inject(self, int plane, double loss=0.0, bint down=False) -> None:
         """Fault injection on a local plane: drop each sent packet with probability
@@ -416,6 +414,9 @@ cdef class Endpoint:
         for child in list(self._children):  # made by calls that were inside
             if isinstance(child, Connection):
                 (<Connection>child).conn = NULL  # mrc_ep_destroy frees it
+            elif isinstance(child, MemoryRegion) and (<MemoryRegion>child).mr != NULL:
+                (<MemoryRegion>child)._abandon()
+                regions.append(child)
         with nogil:
             c.mrc_ep_destroy(ep)
         # Every operation has completed: the buffers may go.
@@ -506,6 +507,8 @@ cdef class MemoryRegion:
                 self.mr = NULL
                 ep._late_regions.append(self)  # the view goes after mrc_ep_destroy
                 raise errors.ConnectionClosedError("endpoint closed while registering")
+            if rc == 0:  # a child before we leave: a racing close() then sees it
+                ep._children.add(self)
         finally:
             ep._leave()
         if rc:

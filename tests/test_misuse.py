@@ -25,7 +25,7 @@ from helpers import connected_pair, pattern, sha
 """
 
 
-def run_isolated(body: str, timeout: float = 60) -> str:
+def run_isolated(body: str, timeout: float = 180) -> str:
     """Runs body in a fresh interpreter; it must exit 0 and print OK."""
     code = PRELUDE + textwrap.dedent(body) + "\nprint('OK')\n"
     here = os.path.dirname(os.path.abspath(__file__))
