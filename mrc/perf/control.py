@@ -29,7 +29,8 @@ class Control:
         self._sbuf = bytearray(MAX_MSG)
         self._rmr = ep.register(self._rbuf)
         self._smr = ep.register(self._sbuf)
-        self._pending = self._post()
+        self._pending: mrc.Operation | None = self._post()
+        self._gone: mrc.MrcError | None = None
 
     def _post(self) -> mrc.Operation:
         return self.conn.recv(self._rmr, tag=CTRL_TAG)
@@ -47,6 +48,8 @@ class Control:
     def poll(self) -> dict[str, Any] | None:
         """The next message if one has arrived, else None."""
         op = self._pending
+        if op is None:  # the peer closed right after its last message
+            raise PeerGone(f"the peer went away: {self._gone}")
         if not op.done:
             return None
         try:
@@ -54,11 +57,18 @@ class Control:
         except mrc.MrcError as e:
             raise PeerGone(f"the peer went away: {e}") from e
         msg: dict[str, Any] = json.loads(bytes(self._rbuf[: op.nbytes]))
-        self._pending = self._post()
+        try:
+            self._pending = self._post()
+        except mrc.MrcError as e:
+            # A peer may close as soon as its last message (a verdict) is
+            # acknowledged: that message still counts; the next poll says so.
+            self._pending, self._gone = None, e
         return msg
 
     def wait(self, timeout: float) -> None:
         """Block until a message is there or `timeout` passes (then just return)."""
+        if self._pending is None:
+            raise PeerGone(f"the peer went away: {self._gone}")
         try:
             self._pending.wait(timeout)
         except mrc.TimeoutError:
