@@ -10,14 +10,19 @@ from __future__ import annotations
 
 from mrc._datapath import (
     TAG_ANY,
+    CompletionQueue,
     Connection,
     Endpoint,
     MemoryRegion,
     Operation,
     RemoteRegion,
 )
+
+# After the binding: the communicator builds on Endpoint and Connection.
+from mrc.collectives.communicator import Communicator, get_unique_id  # noqa: E402
 from mrc.errors import (
     BusyError,
+    CollectiveError,
     ConnectionClosedError,
     KeyRejectedError,
     MrcError,
@@ -38,6 +43,9 @@ __version__ = "0.1.0"
 __all__ = [
     "TAG_ANY",
     "BusyError",
+    "CollectiveError",
+    "Communicator",
+    "CompletionQueue",
     "Connection",
     "ConnectionClosedError",
     "Endpoint",
@@ -56,4 +64,5 @@ __all__ = [
     "UnreachableError",
     "UsageError",
     "WaitTimeout",
+    "get_unique_id",
 ]

@@ -33,10 +33,10 @@ const char *mrc_strerror(int rc)
     case MRC_EUSAGE: return "invalid argument";
     case MRC_EREMOTE: return "connection failed after a remote access error";
     case MRC_ENOBUFS: return "table full";
+    case MRC_EABORT: return "collective aborted";
+    case MRC_EMISMATCH: return "ranks called the collective with different arguments";
     case MRC_EBUSY: return "still in use by pending operations";
     case MRC_ERNR: return "receiver not ready: the peer posted no RECV (or took no immediate) within the RNR limit";
-    case MRC_EABORT: return "aborted";
-    case MRC_EMISMATCH: return "ranks called with different arguments";
     default: return rc < 0 && rc > -4096 ? strerror(-rc) : "unknown error";
     }
 }
@@ -176,10 +176,11 @@ int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out)
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&ep->cv, &ca);
+    for (int i = 0; i < MRC_OP_CVS; i++)
+        pthread_cond_init(&ep->op_cv[i], &ca);
     pthread_condattr_destroy(&ca);
 
-    ep->rx_slot = (uint32_t)((MRC_DATA_HDR_LEN + ep->cfg.mss + 64 + 63) & ~63u);
-    ep->rxbuf = aligned_alloc(64, (size_t)MRC_BATCH * ep->rx_slot);
+    ep->rxbuf = aligned_alloc(64, (size_t)(MRC_BATCH + 1) * MRC_RX_SLOT);
     ep->epfd = epoll_create1(EPOLL_CLOEXEC);
     ep->evfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (!ep->rxbuf || ep->epfd < 0 || ep->evfd < 0) {
@@ -222,6 +223,8 @@ err_free:
     free(ep->rxbuf);
     pthread_mutex_destroy(&ep->lock);
     pthread_cond_destroy(&ep->cv);
+    for (int i = 0; i < MRC_OP_CVS; i++)
+        pthread_cond_destroy(&ep->op_cv[i]);
     free(ep);
     return rc;
 }
@@ -236,12 +239,16 @@ void mrc_ep_destroy(mrc_ep *ep)
     ep_wake(ep);
     pthread_join(ep->thread, NULL);
     /* The thread failed every pending op and freed every connection's
-     * datapath state before it returned (engine_main). What the caller did
-     * not destroy goes now: its handles are dangling from here on. */
+     * datapath state before it returned (engine_main); ops posted to a CQ
+     * have their MRC_ECLOSED entry there. What the caller did not destroy
+     * goes now: its handles are dangling from here on. Connections go before
+     * CQs: freeing one unbinds it from its CQ. */
+    cq_stop_waiters(ep);
     while (ep->own_conns)
         conn_free(ep->own_conns);
     while (ep->own_mrs)
         mr_free(ep->own_mrs);
+    cq_free_all(ep);
     for (int i = 0; i < ep->nsocks; i++) {
         close(ep->socks[i]->fd);
         free(ep->socks[i]);
@@ -263,6 +270,8 @@ void ep_unref(mrc_ep *ep)
         return;
     pthread_mutex_destroy(&ep->lock);
     pthread_cond_destroy(&ep->cv);
+    for (int i = 0; i < MRC_OP_CVS; i++)
+        pthread_cond_destroy(&ep->op_cv[i]);
     free(ep);
 }
 
@@ -441,12 +450,14 @@ static void mr_free(mrc_mr *mr)
 
 /* ---- operations ---------------------------------------------------------- */
 
+/* Hands op to the progress thread. References: the progress thread's until
+ * it publishes the completion, the caller's if out, the CQ entry's if cq. */
 static int op_post(mrc_conn *c, mrc_op *op, mrc_op **out)
 {
     mrc_ep *ep = c->ep;
-    atomic_init(&op->refs, 2);
+    atomic_init(&op->refs, 1 + (out != NULL) + (op->cq != NULL));
     pthread_mutex_lock(&ep->lock);
-    if (ep->stopping || c->state != CONN_ACTIVE || op->mr->dereg) {
+    if (ep->stopping || c->state != CONN_ACTIVE || (op->cq && op->cq->shut) || op->mr->dereg) {
         int err = op->mr->dereg ? MRC_EUSAGE
                   : c->state == CONN_ACTIVE ? MRC_ECLOSED
                                             : (c->error ? c->error : MRC_ECLOSED);
@@ -454,6 +465,8 @@ static int op_post(mrc_conn *c, mrc_op *op, mrc_op **out)
         free(op);
         return err;
     }
+    if (op->cq)
+        op->cq->npending++;
     op->mr->ops++; /* until published: mrc_mr_dereg refuses meanwhile */
     op->mr_counted = true;
     atomic_fetch_add(&ep->refs, 1); /* dropped when the op is freed */
@@ -467,63 +480,74 @@ static int op_post(mrc_conn *c, mrc_op *op, mrc_op **out)
     pthread_mutex_unlock(&ep->lock);
     if (wake)
         ep_wake(ep);
-    *out = op;
+    if (out)
+        *out = op;
     return 0;
 }
 
-static mrc_op *op_new(mrc_conn *c, int kind, mrc_mr *lmr, uint64_t loff, uint64_t len)
+static mrc_op *op_new(mrc_conn *c, const struct mrc_wr *wr)
 {
-    if (!c || !lmr || lmr->ep != c->ep || len > lmr->len || loff > lmr->len - len ||
-        (kind == MRC_OP_RECV && (lmr->access & MRC_ACCESS_READONLY)))
+    mrc_mr *lmr = wr->mr;
+    if (!lmr || lmr->ep != c->ep || wr->len > lmr->len || wr->loff > lmr->len - wr->len ||
+        (wr->kind == MRC_OP_RECV && (lmr->access & MRC_ACCESS_READONLY)))
         return NULL;
     mrc_op *op = calloc(1, sizeof(*op));
     if (!op)
         return NULL;
-    op->kind = kind;
+    op->kind = wr->kind;
+    op->flags = wr->flags;
     op->ep = c->ep;
     op->conn = c;
     op->mr = lmr;
-    op->loff = loff;
-    op->len = len;
+    op->loff = wr->loff;
+    op->len = wr->len;
+    op->rkey = wr->rkey;
+    op->roff = wr->roff;
+    op->imm = wr->imm;
+    op->tag = wr->tag;
+    op->cq = wr->cq;
+    op->ctx = wr->ctx;
+    op->cqe.op = op;
     return op;
+}
+
+int mrc_post(mrc_conn *c, const struct mrc_wr *wr, mrc_op **out)
+{
+    if (!c || !wr || (!out && !wr->cq) || (wr->cq && wr->cq->ep != c->ep))
+        return MRC_EUSAGE;
+    if (wr->kind != MRC_OP_WRITE && wr->kind != MRC_OP_SEND && wr->kind != MRC_OP_RECV)
+        return MRC_EUSAGE;
+    if (wr->flags & ~(wr->kind == MRC_OP_WRITE ? MRC_WRITE_IMM : 0))
+        return MRC_EUSAGE;
+    mrc_op *op = op_new(c, wr);
+    if (!op)
+        return MRC_EUSAGE;
+    return op_post(c, op, out);
 }
 
 int mrc_post_write(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t rkey,
                    uint64_t roff, uint32_t imm, int flags, mrc_op **out)
 {
-    if (flags & ~MRC_WRITE_IMM)
-        return MRC_EUSAGE;
-    mrc_op *op = op_new(c, MRC_OP_WRITE, lmr, loff, len);
-    if (!op)
-        return MRC_EUSAGE;
-    op->rkey = rkey;
-    op->roff = roff;
-    op->imm = imm;
-    op->flags = flags;
-    return op_post(c, op, out);
+    struct mrc_wr wr = {.kind = MRC_OP_WRITE, .flags = flags, .mr = lmr, .loff = loff,
+                        .len = len, .rkey = rkey, .roff = roff, .imm = imm};
+    return out ? mrc_post(c, &wr, out) : MRC_EUSAGE;
 }
 
 int mrc_post_send(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t tag,
                   mrc_op **out)
 {
-    mrc_op *op = op_new(c, MRC_OP_SEND, lmr, loff, len);
-    if (!op)
-        return MRC_EUSAGE;
-    op->tag = tag;
-    return op_post(c, op, out);
+    struct mrc_wr wr = {.kind = MRC_OP_SEND, .mr = lmr, .loff = loff, .len = len, .tag = tag};
+    return out ? mrc_post(c, &wr, out) : MRC_EUSAGE;
 }
 
 int mrc_post_recv(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t tag,
                   mrc_op **out)
 {
-    mrc_op *op = op_new(c, MRC_OP_RECV, lmr, loff, len);
-    if (!op)
-        return MRC_EUSAGE;
-    op->tag = tag;
-    return op_post(c, op, out);
+    struct mrc_wr wr = {.kind = MRC_OP_RECV, .mr = lmr, .loff = loff, .len = len, .tag = tag};
+    return out ? mrc_post(c, &wr, out) : MRC_EUSAGE;
 }
 
-static void op_unref(mrc_op *op)
+void op_unref(mrc_op *op)
 {
     if (atomic_fetch_sub(&op->refs, 1) == 1) {
         mrc_ep *ep = op->ep;
@@ -532,9 +556,10 @@ static void op_unref(mrc_op *op)
     }
 }
 
-/* Waits on ep->cv, with ep->lock held, until ready(arg) or timeout_ms pass
+/* Waits on cv, with ep->lock held, until ready(arg) or timeout_ms pass
  * (0: just look, <0: no limit). Returns ready(arg). */
-static bool wait_for(mrc_ep *ep, int timeout_ms, bool (*ready)(const void *), const void *arg)
+static bool wait_for(mrc_ep *ep, pthread_cond_t *cv, int timeout_ms, bool (*ready)(const void *),
+                     const void *arg)
 {
     struct timespec dl;
     clock_gettime(CLOCK_MONOTONIC, &dl);
@@ -547,8 +572,8 @@ static bool wait_for(mrc_ep *ep, int timeout_ms, bool (*ready)(const void *), co
         }
     }
     while (!ready(arg) && timeout_ms != 0) {
-        int rc = timeout_ms < 0 ? pthread_cond_wait(&ep->cv, &ep->lock)
-                                : pthread_cond_timedwait(&ep->cv, &ep->lock, &dl);
+        int rc = timeout_ms < 0 ? pthread_cond_wait(cv, &ep->lock)
+                                : pthread_cond_timedwait(cv, &ep->lock, &dl);
         if (rc == ETIMEDOUT)
             break;
     }
@@ -561,7 +586,9 @@ int mrc_op_wait(mrc_op *op, int timeout_ms)
 {
     mrc_ep *ep = op->ep;
     pthread_mutex_lock(&ep->lock);
-    bool done = wait_for(ep, timeout_ms, op_ready, op);
+    op->waiters++; /* ep_publish_pt wakes the op's bucket only if someone waits */
+    bool done = wait_for(ep, &ep->op_cv[op_cv_index(op)], timeout_ms, op_ready, op);
+    op->waiters--;
     pthread_mutex_unlock(&ep->lock);
     return done ? 0 : -ETIMEDOUT;
 }
@@ -595,7 +622,7 @@ int mrc_conn_wait_imm(mrc_conn *c, int timeout_ms, uint32_t *imm, uint64_t *len)
 {
     mrc_ep *ep = c->ep;
     pthread_mutex_lock(&ep->lock);
-    wait_for(ep, timeout_ms, imm_ready, c);
+    wait_for(ep, &ep->cv, timeout_ms, imm_ready, c);
     struct imm_ev *ev = c->imm_head;
     if (ev) {
         c->imm_head = ev->next;
@@ -623,12 +650,21 @@ void op_complete_pt(mrc_ep *ep, mrc_op *op, int status)
     ep->done_head = op;
 }
 
+/* Makes a batch of completions visible: done on their handles, entries on
+ * their CQs (in completion order). Only the op_cv buckets of ops a thread
+ * waits on are broadcast; CQ waiters are woken by their own CQ (cq_push_locked). */
 void ep_publish_pt(mrc_ep *ep)
 {
     if (!ep->done_head)
         return;
-    mrc_op *list = ep->done_head;
+    mrc_op *list = NULL;
+    for (mrc_op *op = ep->done_head, *n; op; op = n) { /* newest first: reverse */
+        n = op->qnext;
+        op->qnext = list;
+        list = op;
+    }
     ep->done_head = NULL;
+    uint32_t wake = 0;
     pthread_mutex_lock(&ep->lock);
     for (mrc_op *op = list; op; op = op->qnext) {
         op->status = op->pt_status;
@@ -637,8 +673,19 @@ void ep_publish_pt(mrc_ep *ep)
             op->mr->ops--;
             op->mr_counted = false;
         }
+        if (op->waiters)
+            wake |= 1u << op_cv_index(op);
+        if (op->cq) {
+            op->cqe.wc = (struct mrc_wc){.ctx = op->ctx, .status = op->status,
+                                         .kind = op->kind, .bytes = op->res_bytes,
+                                         .tag = op->res_tag, .conn = op->conn};
+            op->cq->npending--;
+            cq_push_locked(op->cq, &op->cqe);
+        }
     }
-    pthread_cond_broadcast(&ep->cv);
+    for (int i = 0; wake; i++, wake >>= 1)
+        if (wake & 1)
+            pthread_cond_broadcast(&ep->op_cv[i]);
     pthread_mutex_unlock(&ep->lock);
     for (mrc_op *op = list, *n; op; op = n) {
         n = op->qnext;
@@ -682,46 +729,43 @@ static bool held_sent(const mrc_ep *ep)
     return true;
 }
 
-static void oplist_append(mrc_op **head, mrc_op **tail, mrc_op *list)
+/* Lists are newest first, as ep->done_head is (ep_publish_pt reverses it). */
+static void oplist_prepend(mrc_op **head, mrc_op *newer)
 {
-    if (!list)
+    if (!newer)
         return;
-    mrc_op *last = list;
+    mrc_op *last = newer;
     while (last->qnext)
         last = last->qnext;
-    if (*tail)
-        (*tail)->qnext = list;
-    else
-        *head = list;
-    *tail = last;
+    last->qnext = *head;
+    *head = newer;
 }
 
 /* Runs before ep_publish_pt: leaves in ep->done_head only the completions
- * that may be seen now, in order. force: the sockets will never send again
- * (stopping; the caller discarded their batches), release everything. */
+ * that may be seen now, in completion order. force: the sockets will never
+ * send again (stopping; the caller discarded their batches): release all.
+ * A held list implies an unsent batch, so the loop sleeps at most a timer
+ * tick (engine_sleep) before it retries the send and looks again. */
 void ep_hold_pt(mrc_ep *ep, bool force)
 {
-    mrc_op *fresh = ep->done_head, *out = NULL, *out_tail = NULL;
+    mrc_op *fresh = ep->done_head, *out = NULL;
     ep->done_head = NULL;
     while (ep->held && (force || held_sent(ep))) {
-        oplist_append(&out, &out_tail, ep->held);
+        oplist_prepend(&out, ep->held); /* oldest first: each later one goes in front */
         ep->held = ep->next_held;
-        ep->held_tail = ep->next_held_tail;
-        ep->next_held = ep->next_held_tail = NULL;
+        ep->next_held = NULL;
         if (ep->held)
             held_snapshot(ep);
     }
     if (fresh && !force && (ep->held || batches_unsent(ep))) {
         if (!ep->held) {
-            oplist_append(&ep->held, &ep->held_tail, fresh);
+            ep->held = fresh;
             held_snapshot(ep);
         } else {
-            oplist_append(&ep->next_held, &ep->next_held_tail, fresh);
+            oplist_prepend(&ep->next_held, fresh);
         }
     } else {
-        oplist_append(&out, &out_tail, fresh);
+        oplist_prepend(&out, fresh);
     }
-    if (ep->held)
-        ep->work = true; /* loop (and retry the send) until they can go */
     ep->done_head = out;
 }

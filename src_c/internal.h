@@ -29,6 +29,10 @@
 #define MRC_SLOTS 65536u        /* connection and region ids: (random << 16) | slot */
 #define MRC_BATCH 64            /* packets per sendmmsg/recvmmsg */
 #define MRC_MSGW 1024u          /* messages in flight per connection */
+#define MRC_RX_SLOT 65536u     /* bytes per receive slot: a whole UDP GRO read */
+/* Plane sockets plus route sockets, one per (plane, segments before the
+ * destination): 256 spine routes are more than any fabric in routing/ has. */
+#define MRC_MAX_SOCKS (MRC_MAX_PLANES + 256)
 #define MRC_DEFAULT_MSS 8192u
 #define MRC_MAX_MSS 65000u
 /* What one staged SEND costs beyond its payload (allocator headers, the
@@ -41,7 +45,7 @@
 #define MRC_IMM_MAX 4096u
 
 /* Timing policy (ns). */
-#define MRC_TIMER_NS 250000ull          /* timer scan period */
+#define MRC_TIMER_NS 250000ull          /* timer scan period while packets are in flight */
 #define MRC_MIN_RTO_NS 5000000ull       /* floor of a path's retransmit timeout */
 #define MRC_MIN_QUICK_RTO_NS 1000000ull /* floor while other paths deliver */
 #define MRC_PROBE_INTERVAL_NS 5000000ull /* failed/probing paths are probed this often */
@@ -92,6 +96,8 @@ static inline uint64_t rng_next(uint64_t *s)
     return x * 0x2545F4914F6CDD1Dull;
 }
 
+#define MRC_OP_CVS 16
+
 /* ---- objects ------------------------------------------------------------- */
 
 struct mrc_mr {
@@ -105,8 +111,30 @@ struct mrc_mr {
     int access;        /* [const] */
 };
 
+/* A completion waiting on a CQ: embedded in its op, or allocated for an
+ * immediate (op NULL). */
+struct cq_ent {
+    struct cq_ent *next;
+    mrc_op *op;         /* holds one reference until polled; NULL: immediate */
+    struct mrc_wc wc;
+};
+
+struct mrc_cq {
+    mrc_ep *ep;                         /* [const] */
+    struct mrc_cq *own_prev, *own_next; /* [lock] ep->own_cqs: freed by mrc_ep_destroy */
+    int fd;                             /* [const] eventfd, readable while head != NULL */
+    pthread_cond_t cv;                  /* waiters of this CQ only */
+    /* [lock] */
+    struct cq_ent *head, *tail;
+    bool fd_set;        /* the eventfd counter is non-zero */
+    int waiters;        /* threads inside mrc_cq_wait */
+    uint64_t npending;  /* ops posted to it and not yet completed */
+    int nbound;         /* connections bound with mrc_conn_set_cq */
+    bool shut;          /* mrc_cq_shutdown */
+};
+
 struct mrc_op {
-    atomic_int refs;    /* the caller's reference + the progress thread's */
+    atomic_int refs;    /* the caller's (if out), the progress thread's, the CQ's (if cq) */
     int kind;           /* [const] enum mrc_op_kind */
     int flags;          /* [const] MRC_WRITE_IMM */
     mrc_ep *ep;         /* [const] outlives the connection */
@@ -115,6 +143,9 @@ struct mrc_op {
     uint64_t loff, len; /* [const] */
     uint64_t rkey, roff, tag; /* [const] */
     uint32_t imm;       /* [const] */
+    mrc_cq *cq;         /* [const] NULL: completes on the handle only */
+    uint64_t ctx;       /* [const] returned in the CQ entry */
+    struct cq_ent cqe;  /* [lock] its entry on cq once complete */
     /* progress thread */
     uint32_t msn;
     uint64_t seg_off;   /* next byte to put in a packet */
@@ -127,6 +158,7 @@ struct mrc_op {
     bool mr_counted;            /* [lock] counted in mr->ops until published */
     /* [lock] */
     int done, status;
+    int waiters;        /* threads in mrc_op_wait: publish wakes ep->cv only for them */
 };
 
 /* One transmitted (or pending) packet, indexed by psn % window. */
@@ -196,7 +228,8 @@ struct copy_job {
     mrc_op *r;          /* RECV to complete, or NULL */
     uint8_t *data;      /* staged message to copy into r (owned), or NULL */
     uint64_t len, tag, off;
-    struct imm_ev *ev;  /* immediate to hand to the application, or NULL */
+    bool imm;           /* an immediate (immv, len) to hand to the application */
+    uint32_t immv;
     struct copy_job *next;
 };
 
@@ -225,6 +258,9 @@ struct mrc_conn {
     int path_index[MRC_MAX_PATHS]; /* wire path id -> index in paths[], -1 none */
     bool active_listed, in_ackq, closing_sent;
     struct mrc_conn *next_active, *next_ack;
+    struct mrc_conn *pt_prev, *pt_next; /* ep->pt_conns: every connection in ep->conns[] */
+    bool timed;                  /* on ep->timed: has timers to run (engine_timers) */
+    struct mrc_conn *next_timed;
 
     /* transmit */
     struct tx_pkt *tx;
@@ -255,13 +291,17 @@ struct mrc_conn {
     uint32_t ack_echo_psn[MRC_MAX_PATHS];
     uint64_t ack_echo_ts[MRC_MAX_PATHS];
 
-    /* [lock] immediates delivered to the user */
+    /* [lock] immediates delivered to the user: on imm_head, or on cq when bound */
     struct imm_ev *imm_head, *imm_tail;
+    mrc_cq *cq;
+    uint64_t cq_ctx;
     /* Immediates queued = imm_queued (progress thread) - imm_taken (API). */
     uint32_t imm_queued;      /* delivered or admitted (last packet accepted) */
     atomic_uint imm_taken;
     uint32_t staged_count;    /* staged messages, delivered or not */
     struct copy_job *copy_head, *copy_tail; /* completions behind a copy-out */
+    bool in_copyq;            /* on ep->copyq */
+    struct mrc_conn *next_copy;
 };
 
 /* A socket: one per plane (receives everything for the plane, sends plain
@@ -289,6 +329,7 @@ static_assert(MRC_ACK_LEN >= MRC_DATA_HDR_LEN, "hdr slots fit every header");
 struct msock {
     int fd, plane, nsegs;
     bool no_gso;        /* the kernel refused UDP GSO here: one datagram per packet */
+    bool gro;           /* plane socket with UDP GRO: a read may hold many packets */
     struct in6_addr segs[MRC_MAX_SEGS];
     struct txbatch batch;
 };
@@ -331,7 +372,9 @@ struct mrc_ep {
 
     /* [lock] */
     pthread_mutex_t lock;
-    pthread_cond_t cv;
+    pthread_cond_t cv;                  /* control requests, immediates, connection state */
+    pthread_cond_t op_cv[MRC_OP_CVS];   /* op waiters, by op_cv_index: a batch wakes only
+                                         * the buckets of its ops that someone waits on */
     bool stopping, sleeping;
     bool stopped;      /* the progress thread has returned: nothing touches objects now */
     mrc_op *subq_head, *subq_tail;
@@ -340,30 +383,40 @@ struct mrc_ep {
     uint32_t mr_free[MRC_SLOTS], nmr_free;
     mrc_conn *own_conns, *own_conns_tail; /* connections and regions not yet destroyed */
     mrc_mr *own_mrs, *own_mrs_tail;
+    mrc_cq *own_cqs, *own_cqs_tail;
     int listen_fd;
 
     /* progress thread */
     int nsocks;
-    struct msock *socks[MRC_MAX_PLANES + MRC_MAX_PATHS * 4];
+    struct msock *socks[MRC_MAX_SOCKS];
     mrc_conn *conns[MRC_SLOTS];
     mrc_mr *mrs[MRC_SLOTS];
     mrc_conn *active;        /* connections in the datapath */
+    mrc_conn *pt_conns, *pt_conns_tail; /* every connection in conns[], in order of adding */
+    mrc_conn *timed;         /* active connections with timers to run; none: no tick */
     mrc_conn *ackq;          /* connections owing ACKs */
-    mrc_op *done_head;       /* completions to publish */
+    mrc_op *done_head;       /* completions to publish, newest first */
     /* Completions held back because a socket batch still holds packets that
      * may read their buffers (sendmmsg said EAGAIN): `held` is published once
      * every socket has sent what it held when `held` was closed
      * (held_need[s]); `next` collects completions meanwhile (ep_hold_pt). */
-    mrc_op *held, *held_tail, *next_held, *next_held_tail;
+    mrc_op *held, *next_held; /* newest first, as done_head */
+    mrc_conn *copyq;         /* connections with copies out of staging queued */
     uint64_t held_need[MRC_MAX_PLANES + MRC_MAX_PATHS * 4];
     uint64_t rng;
-    uint64_t next_timer_ns;
-    uint8_t *rxbuf;          /* MRC_BATCH * rx_slot bytes */
-    uint32_t rx_slot;
+    uint64_t next_timer_ns;  /* UINT64_MAX: no timer exists, sleep until woken */
+    bool nl_ready;           /* the netlink socket woke the loop */
+    uint8_t *rxbuf;          /* MRC_BATCH + 1 slots of MRC_RX_SLOT bytes (sock_recv_pt) */
     struct mrc_ep_stats st;
     bool work;               /* this loop iteration did something */
     bool tx_stall;           /* testing: every sendmmsg 'fails' with EAGAIN */
 };
+
+static inline unsigned op_cv_index(const void *op)
+{
+    uintptr_t a = (uintptr_t)op;
+    return (unsigned)((a >> 6) ^ (a >> 12)) % MRC_OP_CVS; /* ops are >= 64-byte allocations */
+}
 
 /* ep.c */
 int ep_ctl(mrc_ep *ep, struct ctl *c);
@@ -372,6 +425,7 @@ void op_complete_pt(mrc_ep *ep, mrc_op *op, int status);
 void ep_publish_pt(mrc_ep *ep);
 void conn_fail_pt(mrc_conn *c, int err, int op_err);
 void ep_unref(mrc_ep *ep);
+void op_unref(mrc_op *op);
 void ep_hold_pt(mrc_ep *ep, bool force);
 void conn_free(mrc_conn *c);
 void ep_ctl_run_pt(mrc_ep *ep, struct ctl *c);
@@ -379,6 +433,13 @@ int addr_parse(const char *s, uint16_t port, struct sockaddr_storage *ss, sockle
 void addr_format(const struct sockaddr_storage *ss, char *buf, size_t len);
 bool addr_same_host(const struct sockaddr_storage *a, const struct sockaddr_storage *b);
 uint64_t rand_u64(void);
+
+/* cq.c */
+void cq_push_locked(mrc_cq *cq, struct cq_ent *e);
+void cq_conn_unbind_locked(mrc_conn *c);
+void cq_free_all(mrc_ep *ep);
+void cq_stop_waiters(mrc_ep *ep);
+int conn_imm_pt(mrc_conn *c, uint32_t imm, uint64_t len);
 
 /* sock.c */
 int sock_open_plane(mrc_ep *ep, int plane);
@@ -434,6 +495,7 @@ void link_poll_pt(mrc_ep *ep);
 
 /* engine.c */
 void *engine_main(void *arg);
+void conn_arm_timer_pt(mrc_conn *c);
 
 #define MRC_RNR_MIN_NS 1000000ull    /* first back-off after a receiver-not-ready */
 #define MRC_RNR_MAX_NS 64000000ull   /* back-off doubles up to this */

@@ -63,23 +63,11 @@ static void recvq_unlink(mrc_conn *c, mrc_op *op)
     DL_UNLINK(c->recvq_head, c->recvq_tail, op, prev, next);
 }
 
-static void imm_publish(mrc_conn *c, struct imm_ev *ev)
-{
-    mrc_ep *ep = c->ep;
-    pthread_mutex_lock(&ep->lock);
-    if (c->imm_tail)
-        c->imm_tail->next = ev;
-    else
-        c->imm_head = ev;
-    c->imm_tail = ev;
-    pthread_cond_broadcast(&ep->cv);
-    pthread_mutex_unlock(&ep->lock);
-}
-
 /* Ends a copy job (or an inline completion): data was staged, and is
- * charged against max_unexpected until it is freed here. */
-static void job_finish(mrc_conn *c, mrc_op *r, uint8_t *data, uint64_t len, uint64_t tag,
-                       struct imm_ev *ev)
+ * charged against max_unexpected until it is freed here. Returns 0, or the
+ * error that must fail the connection (no memory for an immediate). */
+static int job_finish(mrc_conn *c, mrc_op *r, uint8_t *data, uint64_t len, uint64_t tag,
+                      bool imm, uint32_t immv)
 {
     if (data) {
         free(data);
@@ -91,45 +79,55 @@ static void job_finish(mrc_conn *c, mrc_op *r, uint8_t *data, uint64_t len, uint
         r->res_tag = tag;
         op_complete_pt(c->ep, r, len > r->len ? MRC_ETRUNC : 0);
     }
-    if (ev)
-        imm_publish(c, ev);
+    /* Room was reserved when its last packet was admitted (imm_queued). */
+    return imm ? conn_imm_pt(c, immv, len) : 0; /* on the conn's CQ if bound */
 }
 
 static void conn_copy_run(mrc_conn *c, uint64_t *budget);
 
-/* Queues a completion behind the copies in progress, or does it now when
- * there are none and the copy is small. data (staged, may be NULL) is
- * owned from here on. */
-static void complete_in_order(mrc_conn *c, mrc_op *r, uint8_t *data, uint64_t len,
-                              uint64_t tag, struct imm_ev *ev)
+/* Queues a completion (a RECV, or an immediate: imm) behind the copies in
+ * progress on c, or does it now when there are none and the copy is small.
+ * data (staged, may be NULL) is owned from here on. Returns nonzero if the
+ * connection failed meanwhile (the caller must not touch its state). */
+static int complete_in_order(mrc_conn *c, mrc_op *r, uint8_t *data, uint64_t len,
+                             uint64_t tag, bool imm, uint32_t immv)
 {
     uint64_t n = r ? (len < r->len ? len : r->len) : 0;
-    if (!c->copy_head && (!data || n <= MRC_COPY_BUDGET)) {
-        if (data && n)
-            memcpy(r->mr->addr + r->loff, data, n);
-        job_finish(c, r, data, len, tag, ev);
-        return;
-    }
-    struct copy_job *j = malloc(sizeof(*j));
-    if (!j) { /* no memory for the job: copy now, slow but correct and in order */
+    struct copy_job *j = NULL;
+    if (c->copy_head || (data && n > MRC_COPY_BUDGET))
+        j = malloc(sizeof(*j));
+    if (!j) { /* nothing to wait behind, or no memory for the job: now, in order */
         uint64_t all = UINT64_MAX;
         conn_copy_run(c, &all);
+        if (c->state != CONN_ACTIVE) {
+            free(data);
+            return 1;
+        }
         if (data && n)
             memcpy(r->mr->addr + r->loff, data, n);
-        job_finish(c, r, data, len, tag, ev);
-        return;
+        int rc = job_finish(c, r, data, len, tag, imm, immv);
+        if (rc)
+            conn_fail_pt(c, rc, rc);
+        return rc;
     }
-    *j = (struct copy_job){.r = r, .data = data, .len = len, .tag = tag, .ev = ev};
+    *j = (struct copy_job){.r = r, .data = data, .len = len, .tag = tag, .imm = imm,
+                           .immv = immv};
     if (c->copy_tail)
         c->copy_tail->next = j;
     else
         c->copy_head = j;
     c->copy_tail = j;
+    if (!c->in_copyq) {
+        c->in_copyq = true;
+        c->next_copy = c->ep->copyq;
+        c->ep->copyq = c;
+    }
+    return 0;
 }
 
 static void recv_complete(mrc_conn *c, mrc_op *r, uint8_t *data, uint64_t len, uint64_t tag)
 {
-    complete_in_order(c, r, data, len, tag, NULL);
+    complete_in_order(c, r, data, len, tag, false, 0);
 }
 
 /* Runs c's jobs in order while *budget bytes of copying remain. */
@@ -151,20 +149,45 @@ static void conn_copy_run(mrc_conn *c, uint64_t *budget)
         c->copy_head = j->next;
         if (!c->copy_head)
             c->copy_tail = NULL;
-        job_finish(c, j->r, j->data, j->len, j->tag, j->ev);
+        int rc = job_finish(c, j->r, j->data, j->len, j->tag, j->imm, j->immv);
         free(j);
+        if (rc) {
+            conn_fail_pt(c, rc, rc); /* frees the jobs left (rx_release_pt) */
+            return;
+        }
     }
 }
 
-/* Copies at most MRC_COPY_BUDGET bytes out of staging, over every
- * connection, finishing jobs in order; runs once per progress-loop pass. */
+static void copyq_unlink(mrc_ep *ep, mrc_conn *c)
+{
+    if (!c->in_copyq)
+        return;
+    for (mrc_conn **pp = &ep->copyq; *pp; pp = &(*pp)->next_copy)
+        if (*pp == c) {
+            *pp = c->next_copy;
+            break;
+        }
+    c->in_copyq = false;
+}
+
+/* Copies at most MRC_COPY_BUDGET bytes out of staging, over the connections
+ * that have copies queued (ep->copyq), finishing jobs in order; runs once per
+ * progress-loop pass. */
 void rx_copy_run_pt(mrc_ep *ep)
 {
     uint64_t budget = MRC_COPY_BUDGET;
-    for (mrc_conn *c = ep->active; c; c = c->next_active) {
+    for (mrc_conn **pp = &ep->copyq; *pp;) {
+        mrc_conn *c = *pp;
         conn_copy_run(c, &budget);
-        if (c->copy_head)
-            ep->work = true;
+        if (*pp != c)
+            continue; /* it failed: rx_release_pt took it off the list */
+        if (!c->copy_head) {
+            *pp = c->next_copy;
+            c->in_copyq = false;
+            continue;
+        }
+        ep->work = true;
+        pp = &c->next_copy;
     }
 }
 
@@ -237,14 +260,8 @@ static void rx_deliver_pt(mrc_conn *c)
             !psn_lt(m->last_psn, c->rx_cum))
             break;
         if (m->type == MRC_PKT_WRITE && (m->flags & MRC_F_IMM)) {
-            /* Room was reserved when its last packet was admitted (imm_queued). */
-            struct imm_ev *ev = malloc(sizeof(*ev));
-            if (!ev) { /* an immediate is never dropped silently */
-                conn_fail_pt(c, -ENOMEM, -ENOMEM);
-                return;
-            }
-            *ev = (struct imm_ev){.imm = m->imm, .len = m->msg_len};
-            complete_in_order(c, NULL, NULL, 0, 0, ev);
+            if (complete_in_order(c, NULL, NULL, m->msg_len, 0, true, m->imm))
+                return; /* the connection failed: its state is gone */
         } else if (m->type == MRC_PKT_SEND && m->recv) {
             recv_complete(c, m->recv, NULL, m->msg_len, m->key);
         } else if (m->type == MRC_PKT_SEND) {
@@ -551,10 +568,10 @@ void rx_release_pt(mrc_conn *c, int err)
         if (j->r)
             op_complete_pt(c->ep, j->r, err);
         free(j->data);
-        free(j->ev);
         free(j);
     }
     c->copy_tail = NULL;
+    copyq_unlink(c->ep, c);
     while (c->recvq_head) {
         mrc_op *op = c->recvq_head;
         recvq_unlink(c, op);
