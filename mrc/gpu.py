@@ -428,7 +428,8 @@ def collective(comm: Any, kind: str, **kw: Any) -> Any:
     if kind in ("all_reduce", "reduce", "broadcast"):
         recv = kw.pop("recv", None)
         root = kw.get("root", 0)
-        write_back = kind == "all_reduce" or comm.rank == root
+        # Who receives: everyone (all_reduce), root (reduce), all but root (broadcast).
+        write_back = {"all_reduce": True, "reduce": comm.rank == root}.get(kind, comm.rank != root)
         out = first if recv is None else recv
         if kind == "reduce" and comm.rank != root:
             out = None
