@@ -130,5 +130,9 @@ def _register() -> None:
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=DEVICES)
 
 
+def _autoload() -> None:
+    """The "torch.backends" entry point: importing this module already registered "mrc"."""
+
+
 _register()
 del torch  # only imported to fail early with the install hint
