@@ -1,6 +1,6 @@
 """One rank of the communicator tests, run as its own process by tests/test_communicator.py.
 
-    python tests/comm_worker.py MODE RANK SIZE UID [TIMEOUT]   (UID "env": from_env())
+    python tests/comm_worker.py MODE RANK SIZE UID [TIMEOUT]   ("env": from the environment)
 
 Prints one JSON line: {"rank", "ok", ...} or {"rank", "error", "type", "err_rank", "secs"}.
 """
@@ -80,13 +80,20 @@ def wait_for_failure(comm: mrc.Communicator, peer: int) -> None:
 
 
 def main() -> None:
-    mode, rank, size, uid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    mode, uid = sys.argv[1], sys.argv[4]
+    # Under mrc-run: "env" for rank, size and id.
+    rank = int(os.environ["RANK"]) if sys.argv[2] == "env" else int(sys.argv[2])
+    size = int(os.environ["WORLD_SIZE"]) if sys.argv[3] == "env" else int(sys.argv[3])
     timeout = float(sys.argv[5]) if len(sys.argv) > 5 else 10.0
     t0 = time.monotonic()
     out: dict[str, object] = {"rank": rank}
     try:
         if uid == "env":
-            comm = mrc.Communicator.from_env(timeout=timeout)
+            comm = (
+                mrc.Communicator.from_env()
+                if timeout == 0
+                else mrc.Communicator.from_env(timeout=timeout)
+            )
         else:
             comm = mrc.Communicator(rank, size, bytes.fromhex(uid), timeout=timeout)
         out["setup_s"] = time.monotonic() - t0

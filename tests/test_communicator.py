@@ -189,9 +189,12 @@ def in_threads(
 
 
 def close_all(items: list[mrc.Communicator | BaseException]) -> None:
-    for c in items:
-        if isinstance(c, mrc.Communicator):
-            c.close()
+    """close() is collective: every rank closes at once, each in its own thread."""
+    threads = [threading.Thread(target=c.close) for c in items if isinstance(c, mrc.Communicator)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
 
 
 def test_mesh_in_threads_and_close() -> None:

@@ -102,6 +102,7 @@ class Communicator(Collectives):
         self._failure: CollectiveError | None = None
         self._fail_lock = threading.Lock()
         self._closed_ranks: set[int] = set()
+        self._released = threading.Event()  # every rank reached close() (or failed)
         self._closed = False
         self._collectives_started = False
         self._server: RendezvousServer | None = None
@@ -116,7 +117,7 @@ class Communicator(Collectives):
                 self._server = rendezvous.take_server(self.uid) or rendezvous.try_serve(self.uid)
             self._client = RendezvousClient(self.uid, self.timeout)
             infos = self._client.join(self.rank, self.size, self._info())
-            self._client.start_monitor(self._on_failed, self._on_closed)
+            self._client.start_monitor(self._on_failed, self._on_closed, self._released.set)
             self._take_table(infos)
             self._connect_mesh(infos)
             if self._failure is not None:
@@ -268,9 +269,12 @@ class Communicator(Collectives):
 
     def _on_failed(self, rank: int | None, message: str) -> None:
         self._set_failure(CollectiveError(message, rank=rank))
+        self._released.set()  # close() waits for no one any more
 
     def _on_closed(self, rank: int | None) -> None:
         self._closed_ranks.add(0 if rank is None else rank)
+        if rank is None:
+            self._released.set()  # the rendezvous is gone
 
     def _set_failure(self, err: CollectiveError) -> bool:
         """Record the first failure and stop the collectives; later ones are ignored."""
@@ -317,8 +321,11 @@ class Communicator(Collectives):
     # --- life ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Idempotent: stop the collectives, close every connection and the endpoint, say
-        bye to the rendezvous (rank 0: stop it)."""
+        """Collective and idempotent: stop the collectives, wait (up to the timeout) until
+        every rank is in close() or has failed, then close every connection and the
+        endpoint (rank 0: and the rendezvous). The wait is why closing is safe: a rank
+        that tore its connections down at once could fail a peer's last SEND, whose data
+        it holds but whose ACK it never sent."""
         if self._closed:
             return
         self._teardown({"op": "bye"})
@@ -330,7 +337,12 @@ class Communicator(Collectives):
             if close is not None:
                 close()
         if self._client is not None:
-            self._client.close(goodbye)
+            if goodbye["op"] == "bye" and self._failure is None:
+                self._client.send(goodbye)
+                self._released.wait(self.timeout)
+                self._client.close()
+            else:
+                self._client.close(goodbye)
         for i, conn in enumerate(self.peers):
             if conn is not None:
                 conn.close()

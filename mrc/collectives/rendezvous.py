@@ -11,8 +11,9 @@ old id cannot join). Messages are JSON lines over one TCP connection per rank:
     server -> rank   {"op": "table", "infos": [...]}  once every rank has joined,
                      {"op": "error", message, rank}   the group cannot form (and why)
     both ways        {"op": "hb"}                     liveness, every `interval` seconds
-    rank -> server   {"op": "abort", message} | {"op": "bye"}
+    rank -> server   {"op": "abort", message} | {"op": "bye"}  (bye: in close())
     server -> rank   {"op": "failed", rank, message} | {"op": "closed", rank}
+                     {"op": "released"}               every rank has said bye (or failed)
 
 The connection stays open for the communicator's life: it is how a rank's death reaches
 the others at once (its socket closes without a "bye") and how a stopped or cut-off rank
@@ -166,6 +167,8 @@ class RendezvousServer:
         self._deadline: float | None = None
         self._error: dict[str, Any] | None = None  # the group failed to form: for everyone
         self._complete = False
+        self._left: set[int] = set()  # ranks that closed, aborted or failed
+        self._released = False
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mrc-rendezvous", daemon=True)
         self._thread.start()
@@ -229,9 +232,19 @@ class RendezvousServer:
             peer.gone = True
             if peer.rank is not None:
                 self._broadcast({"op": "closed", "rank": peer.rank}, skip=peer)
+                self._left_group(peer.rank)
         elif op == "abort" and peer.rank is not None:
             peer.gone = True
             self._fail(peer.rank, str(msg.get("message", "aborted")), skip=peer)
+            self._left_group(peer.rank)
+
+    def _left_group(self, rank: int) -> None:
+        """Once every rank has closed (or failed), release the ranks waiting in close():
+        none of them tears its connections down while a peer may still need an ACK."""
+        self._left.add(rank)
+        if self._complete and not self._released and len(self._left) == self._size:
+            self._released = True
+            self._broadcast({"op": "released"})
 
     def _join(self, peer: _Peer, msg: dict[str, Any]) -> None:
         def refuse(message: str) -> None:
@@ -308,6 +321,7 @@ class RendezvousServer:
             self._group_error(f"rank {rank} {what} before every rank had joined", rank)
             return
         self._fail(rank, f"rank {rank} {what}")
+        self._left_group(rank)
 
     def _fail(self, rank: int, message: str, skip: _Peer | None = None) -> None:
         self._broadcast({"op": "failed", "rank": rank, "message": message}, skip=skip)
@@ -471,9 +485,11 @@ class RendezvousClient:
         self,
         on_failed: Callable[[int | None, str], None],
         on_closed: Callable[[int | None], None],
+        on_released: Callable[[], None],
     ) -> None:
         """Beat every interval; call on_failed(rank, message) once when a rank (or the
-        rendezvous itself) fails, on_closed(rank) when a rank closes normally."""
+        rendezvous itself) fails, on_closed(rank) when a rank closes normally (None: the
+        rendezvous closed), on_released() once every rank is in close()."""
 
         def run() -> None:
             interval = heartbeat_interval(self.timeout)
@@ -505,6 +521,9 @@ class RendezvousClient:
                 last_heard = time.monotonic()
                 if msg["op"] == "failed":
                     on_failed(msg.get("rank"), str(msg.get("message")))
+                    return
+                if msg["op"] == "released":
+                    on_released()
                     return
                 if msg["op"] == "closed":
                     on_closed(msg.get("rank"))

@@ -17,6 +17,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy is imported a
 
 import click  # noqa: E402
 
+from mrc.perf import coll as coll_commands  # noqa: E402
 from mrc.perf.options import (  # noqa: E402
     DEFAULT_BW_ITERS,
     DEFAULT_BW_SIZE,
@@ -285,6 +286,9 @@ def _make(test: str) -> None:
 
 for _test in TESTS:
     _make(_test)
+
+# The collective tests (nccl-tests' all_reduce_perf ...), run on every rank under mrc-run.
+coll_commands.register(main)
 
 
 if __name__ == "__main__":
