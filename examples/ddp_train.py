@@ -24,6 +24,7 @@ import json
 import os
 import random
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -147,11 +148,20 @@ def main() -> None:
     )
     ap.add_argument("--json", type=Path, help="rank 0 writes losses, checksum and timings here")
     ap.add_argument("--quiet", action="store_true", help="no per-step lines")
+    ap.add_argument(
+        "--init-method", default="env://", help="env:// (torchrun, mrc-run) or file://PATH"
+    )
+    ap.add_argument("--timeout", type=float, help="process group timeout, seconds")
     args = ap.parse_args()
 
     torch.set_num_threads(1)  # one thread: the same reduction order inside every matmul
     torch.use_deterministic_algorithms(True)
-    dist.init_process_group(args.backend)
+    kw: dict[str, object] = {}
+    if args.timeout:
+        kw["timeout"] = timedelta(seconds=args.timeout)
+    if args.init_method != "env://":  # file:// takes the rank and size from the launcher's env
+        kw.update(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(args.backend, init_method=args.init_method, **kw)  # type: ignore[arg-type]
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.fail_plane and args.backend != "mrc":
         raise SystemExit("--fail-plane takes an mrc plane down: it needs --backend mrc")

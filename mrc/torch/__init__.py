@@ -100,9 +100,10 @@ def create_process_group(
     else:
         # a store get blocks until rank 0 has set it, for at most the store's timeout
         uid = bytes(store.get(_UID_KEY))
-    comm = mrc.Communicator(
-        rank, size, uid, timeout=timeout.total_seconds(), **_communicator_kwargs(global_rank)
-    )
+    # MRC_TIMEOUT (mrc-run --timeout) overrides the group's timeout for the communicator:
+    # torch's default of 30 minutes is long for noticing a hung peer
+    secs = float(os.environ.get("MRC_TIMEOUT") or timeout.total_seconds())
+    comm = mrc.Communicator(rank, size, uid, timeout=secs, **_communicator_kwargs(global_rank))
     return ProcessGroupMRC(comm, rank, size, timeout)
 
 
