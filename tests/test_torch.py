@@ -85,6 +85,11 @@ def test_collectives_match_rank_order_and_gloo(size: int, tmp_path: Path) -> Non
     assert all(r["checks"] > 150 for r in reports), reports
 
 
+def test_fsdp_matches_gloo(tmp_path: Path) -> None:
+    reports = run_ranks("fsdp", 2, tmp_path)
+    assert reports[0]["sha"] == reports[1]["sha"]  # every rank the same full parameters
+
+
 def test_bad_input_raises_before_sending(tmp_path: Path) -> None:
     reports = run_ranks("errors", 3, tmp_path)
     for rank, rep in enumerate(reports):

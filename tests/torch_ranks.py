@@ -233,6 +233,42 @@ def scenario_collectives(out: Path) -> dict:
     return {"checks": ck.n, "sha": hashlib.sha256(got.numpy().tobytes()).hexdigest()}
 
 
+def _fsdp_train(group: dist.ProcessGroup) -> tuple[list[float], torch.Tensor]:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for layer in m:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(RANK)
+    losses = []
+    for _ in range(5):
+        loss = m(torch.randn(8, 16, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    full = torch.cat([v.full_tensor().reshape(-1) for v in m.state_dict().values()])
+    return losses, full
+
+
+def scenario_fsdp(out: Path) -> dict:
+    """FSDP2 (fully_shard: all_gather_into_tensor, reduce_scatter_tensor with AVG) over mrc
+    and over Gloo from the same start: the same parameters to rounding on every rank."""
+    gloo = dist.new_group(backend="gloo")
+    losses, full = _fsdp_train(dist.group.WORLD)
+    glosses, gfull = _fsdp_train(gloo)
+    if not torch.allclose(full, gfull, rtol=1e-5, atol=1e-6):
+        raise AssertionError(f"rank {RANK}: FSDP over mrc and Gloo differ: {full[:4]} {gfull[:4]}")
+    return {"sha": hashlib.sha256(full.numpy().tobytes()).hexdigest(), "losses": losses}
+
+
 def expect_error(what: str, fn, *needles: str) -> str:  # type: ignore[no-untyped-def]
     try:
         fn()

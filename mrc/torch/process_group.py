@@ -135,6 +135,22 @@ class ProcessGroupMRC(dist.ProcessGroup):
     def _get_backend_name(self) -> str:
         return BACKEND_NAME
 
+    # torch sets these on the group it built; on a Python group the C++ setters do not
+    # reach the getters (ProcessGroup name not set), and DeviceMesh / FSDP read group_name
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return getattr(self, "_group_name", "")
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:  # type: ignore[override]
+        return getattr(self, "_group_desc", "")
+
     @property
     def communicator(self) -> Any:
         """The mrc Communicator under this group (its .endpoint takes fault injection)."""
