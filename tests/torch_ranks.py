@@ -188,6 +188,15 @@ def scenario_collectives(out: Path) -> dict:
         ck.exact(
             f"all_to_all {name}", torch.cat(lo), torch.cat([t[2 * RANK : 2 * RANK + 2] for t in xs])
         )
+    # gather and scatter (all_to_all with one side's counts zero)
+    g = [torch.empty(3) for _ in range(SIZE)] if RANK == SIZE - 1 else None
+    dist.gather(torch.full((3,), float(RANK)), g, dst=SIZE - 1)
+    if g is not None:
+        ck.exact("gather", torch.stack(g), torch.arange(SIZE).float()[:, None].expand(SIZE, 3))
+    s = torch.empty(2, dtype=torch.int64)
+    parts = [torch.full((2,), 10 * d, dtype=torch.int64) for d in range(SIZE)]
+    dist.scatter(s, parts if RANK == 0 else None, src=0)
+    ck.exact("scatter", s, torch.full((2,), 10 * RANK, dtype=torch.int64))
     # bool: max / min are logical or / and; broadcast moves bytes
     bx = [data(r, 50, torch.int64, 99) > 0 for r in range(SIZE)]
     for opname, fn in (("max", torch.logical_or), ("min", torch.logical_and)):

@@ -444,6 +444,71 @@ class ProcessGroupMRC(dist.ProcessGroup):
         call = self._a2a(send, recv, [t.numel() * t.element_size() for t in ins], rcounts)
         return self._issue("all_to_all", outs, st, [call], after=split_out)
 
+    def gather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Work:
+        """An all_to_all in which every rank sends its tensor to the root and nothing else."""
+        root = self._root(_opt(opts, "rootRank", 0), "gather")
+        t = one_tensor(input_tensors, self._rank, "gather input")
+        nb = t.numel() * t.element_size()
+        outs: list[torch.Tensor] = []
+        if self._rank == root:
+            if len(output_tensors) != 1 or len(output_tensors[0]) != self._size:
+                raise TensorError(
+                    f"mrc backend rank {self._rank}: gather root needs one output list of "
+                    f"{self._size} tensors, got lists of {[len(o) for o in output_tensors]}"
+                )
+            outs = output_tensors[0]
+            for i, o in enumerate(outs):
+                check_tensor(o, self._rank, f"gather output {i}")
+                same_shape(o, t, self._rank, f"gather output {i} vs input")
+        st = Staged()
+        send = byte_view_t(t)
+        recv = torch.empty((nb * self._size if outs else 0,), dtype=torch.uint8)
+        st.keep += [send, recv]
+        sc = [nb if d == root else 0 for d in range(self._size)]
+        rc = [nb if outs else 0] * self._size
+
+        def split_out() -> None:
+            for i, o in enumerate(outs):
+                o.copy_(recv[i * nb : (i + 1) * nb].view(o.dtype).view(o.shape))
+
+        return self._issue("gather", outs, st, [self._a2a(send, recv, sc, rc)], after=split_out)
+
+    def scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> Work:
+        """An all_to_all in which only the root sends: tensor i to rank i."""
+        root = self._root(_opt(opts, "rootRank", 0), "scatter")
+        o = one_tensor(output_tensors, self._rank, "scatter output")
+        nb = o.numel() * o.element_size()
+        ins: list[torch.Tensor] = []
+        if self._rank == root:
+            if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
+                raise TensorError(
+                    f"mrc backend rank {self._rank}: scatter root needs one input list of "
+                    f"{self._size} tensors, got lists of {[len(i) for i in input_tensors]}"
+                )
+            ins = input_tensors[0]
+            for i, t in enumerate(ins):
+                check_tensor(t, self._rank, f"scatter input {i}")
+                same_shape(t, o, self._rank, f"scatter input {i} vs output")
+        st = Staged()
+        send = (
+            torch.cat([byte_view_t(t) for t in ins]) if ins else torch.empty(0, dtype=torch.uint8)
+        )
+        dst = st.output(o)
+        st.keep.append(send)
+        sc = [nb if ins else 0] * self._size
+        rc = [nb if s == root else 0 for s in range(self._size)]
+        return self._issue("scatter", [o], st, [self._a2a(send, dst, sc, rc)])
+
     def barrier(self, opts: Any = None) -> Work:
         return self._issue("barrier", [], Staged(), [lambda: self._comm.barrier(async_op=True)])
 
