@@ -122,6 +122,7 @@ class ProcessGroupMRC(dist.ProcessGroup):
         self._pending: queue.Queue[_Pending | None] = queue.Queue()
         self._closed = False
         self._aborted: str | None = None
+        self._zombies: list[_Pending] = []  # timed-out calls the executor never let go of
         self._completer = threading.Thread(
             target=self._complete_loop, name=f"mrc-torch-completer-r{rank}", daemon=True
         )
@@ -204,7 +205,24 @@ class ProcessGroupMRC(dist.ProcessGroup):
             except BaseException as e:  # noqa: BLE001 - handed to the waiter, never lost
                 error = e if isinstance(e, MrcBackendError) else _wrap(e, p.work.what)
                 self._abort_from_completer(str(error))
+                self._hold_until_drained(p)
             p.work._complete(error)
+
+    def _hold_until_drained(self, p: _Pending) -> None:
+        """After an abort, keep p's tensors alive until the executor let go of them.
+
+        The executor may still be writing into a buffer of a call that timed out; its
+        handle completes once the abort drained it. One that never does keeps its tensors
+        for the life of the group (a leak, never a write into freed memory).
+        """
+        for h in p.handles:
+            try:
+                done = _wait_handle(h, 5.0)
+            except BaseException:  # noqa: BLE001 - failed is finished: it let go
+                continue
+            if not done:
+                self._zombies.append(p)
+                return
 
     def _abort_from_completer(self, why: str) -> None:
         if self._aborted is None:
@@ -648,16 +666,14 @@ def _opt(opts: Any, name: str, default: Any) -> Any:
 
 
 def _wait_handle(h: Any, timeout: float) -> bool:
-    """Wait for a communicator Work; False on timeout, its error raised."""
-    from mrc.errors import TimeoutError as MrcTimeout
-
+    """Wait for a communicator Work; False if still running after timeout, its error raised."""
     try:
         h.wait(timeout)
-    except MrcTimeout:
+    except TimeoutError:  # mrc.TimeoutError is one too; a wait that timed out, or the op did
         if not h.done():
             return False
         raise
-    return True
+    return bool(h.done())
 
 
 def _wrap(e: BaseException, what: str) -> MrcBackendError:
