@@ -175,3 +175,55 @@ def test_ddp_with_a_failed_plane_is_bit_identical(tmp_path: Path) -> None:
     assert healthy["loss_bits"] == failed["loss_bits"]
     assert healthy["sha256"] == failed["sha256"]
     assert healthy["losses"][-1] < healthy["losses"][0]  # it trains
+
+
+def _fabric_train(fab: object, steps: int, fail_at: int | None, tmp: Path, name: str) -> dict:
+    """The example on 4 fabric hosts under mrc-run; pull h1's plane-0 cable at fail_at."""
+    js = tmp / f"{name}.json"
+    cmd = [
+        str(Path(sys.executable).parent / "mrc-run"),
+        "-n",
+        "4",
+        "--fabric",
+        fab.file,  # type: ignore[attr-defined]
+        "--name",
+        fab.prefix,  # type: ignore[attr-defined]
+        "--timeout",
+        "30",
+        "--",
+        sys.executable,
+        str(EXAMPLE),
+        "--steps",
+        str(steps),
+        "--json",
+        str(js),
+    ]
+    p = subprocess.Popen(
+        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines = []
+    assert p.stdout is not None
+    for line in p.stdout:  # mrc-run prefixes every line with "[rank] "
+        lines.append(line)
+        if fail_at is not None and line.startswith(f"[0] step {fail_at} "):
+            fab.fail(fab.fabric.host_link("h1", 0).name)  # type: ignore[attr-defined]
+    assert p.wait(300) == 0, "".join(lines[-60:])
+    shas = {x.split()[-1] for x in lines if "params sha256" in x}
+    assert len(shas) == 1, "".join(lines[-20:])
+    return json.loads(js.read_text())
+
+
+@pytest.mark.root
+def test_ddp_on_the_fabric_with_a_pulled_cable_is_bit_identical(tmp_path: Path) -> None:
+    """4 ranks in fabric host namespaces, 200 steps; h1's plane-0 link fails at step 60."""
+    from mrc.fabric.testing import fabric_up
+
+    fabric = ROOT / "tests" / "fabrics" / "4host-4plane-fast.toml"
+    steps = 200
+    with fabric_up(fabric) as fab:
+        healthy = _fabric_train(fab, steps, None, tmp_path, "healthy")
+    with fabric_up(fabric) as fab:
+        failed = _fabric_train(fab, steps, 60, tmp_path, "failed")
+        assert fab.failed, "the link was not failed"
+    assert healthy["loss_bits"] == failed["loss_bits"]
+    assert healthy["sha256"] == failed["sha256"]
