@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from mrc._datapath import (
     TAG_ANY,
+    CompletionQueue,
     Connection,
     Endpoint,
     MemoryRegion,
@@ -20,6 +21,7 @@ from mrc._datapath import (
 # After the binding: the communicator builds on Endpoint and Connection.
 from mrc.collectives.communicator import Communicator, get_unique_id  # noqa: E402
 from mrc.errors import (
+    BusyError,
     CollectiveError,
     ConnectionClosedError,
     KeyRejectedError,
@@ -38,6 +40,8 @@ __all__ = [
     "TAG_ANY",
     "CollectiveError",
     "Communicator",
+    "BusyError",
+    "CompletionQueue",
     "Connection",
     "ConnectionClosedError",
     "Endpoint",

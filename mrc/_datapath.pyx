@@ -3,13 +3,16 @@
 nothing here runs per packet."""
 
 from cpython.buffer cimport PyBUF_WRITABLE, PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
-from libc.stdint cimport uint16_t, uint32_t, uint64_t
+cimport cython
+from libc.errno cimport ETIMEDOUT
+from libc.stdint cimport uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset, strncpy
 
 cimport mrc._mrc as c
 
 import struct
+import time
 import weakref
 
 from mrc import errors
@@ -28,6 +31,7 @@ _ERRORS = {
     c.MRC_EUNREACH: errors.UnreachableError,
     c.MRC_EUSAGE: errors.UsageError,
     c.MRC_ENOBUFS: errors.MrcError,
+    c.MRC_EBUSY: errors.BusyError,
 }
 
 _OP_KINDS = {c.MRC_OP_WRITE: "write", c.MRC_OP_SEND: "send", c.MRC_OP_RECV: "recv"}
@@ -102,7 +106,8 @@ cdef class Endpoint:
     """One per process: the local NIC planes, their sockets and the progress thread."""
 
     cdef c.mrc_ep *ep
-    cdef object _children  # WeakSet of Connection and MemoryRegion
+    cdef object _children  # WeakSet of Connection, MemoryRegion, CompletionQueue
+    cdef list _orphans     # regions of CQs collected with ops pending (CompletionQueue)
     cdef readonly tuple planes
     cdef readonly int mss
     cdef readonly double timeout
@@ -110,6 +115,7 @@ cdef class Endpoint:
     def __cinit__(self):
         self.ep = NULL
         self._children = weakref.WeakSet()
+        self._orphans = []
 
     def __init__(self, planes=("127.0.0.1",), *, int port=0, int mss=8192,
                  double timeout=5.0, int window=4096, int sockbuf=8 << 20,
@@ -222,6 +228,10 @@ cdef class Endpoint:
         self._children.add(mr)
         return mr
 
+    def create_cq(self) -> CompletionQueue:
+        """A completion queue on this endpoint (same as CompletionQueue(self))."""
+        return CompletionQueue(self)
+
     def inject(self, int plane, double loss=0.0, bint down=False) -> None:
         """Fault injection on a local plane: drop each sent packet with probability
         `loss`; `down` drops everything sent and received, like a pulled cable."""
@@ -298,14 +308,28 @@ cdef class Endpoint:
         check(rc, "rx_inject")
 
     def close(self) -> None:
-        """Close every connection and region, then stop the progress thread."""
+        """Close every connection and region, then stop the progress thread.
+        Completion queues are shut down first (a thread in cq.wait() gets
+        ConnectionClosedError) and freed with the endpoint."""
         if self.ep == NULL:
             return
-        for child in list(self._children):
-            child.close()
+        children = list(self._children)
+        cqs = [x for x in children if isinstance(x, CompletionQueue)]
+        for q in cqs:
+            (<CompletionQueue>q)._shutdown()
+        # A waiter may have released the GIL and not yet entered C: it returns at
+        # once now, but the CQ must not be freed before it has.
+        while any((<CompletionQueue>q)._busy for q in cqs):
+            time.sleep(0.001)
+        for child in children:
+            if not isinstance(child, CompletionQueue):
+                child.close()
         with nogil:
             c.mrc_ep_destroy(self.ep)
         self.ep = NULL
+        for q in cqs:
+            (<CompletionQueue>q)._detach()
+        self._orphans.clear()
 
     @property
     def closed(self) -> bool:
@@ -413,9 +437,13 @@ cdef class Connection:
     cdef c.mrc_conn *conn
     cdef object __weakref__
     cdef readonly Endpoint endpoint
+    cdef object _cq  # the CompletionQueue bound with set_cq: kept alive while bound
+    cdef object _users  # WeakSet of CollExecutor holding this connection's pointer
 
     def __cinit__(self):
         self.conn = NULL
+        self._cq = None
+        self._users = None
 
     @staticmethod
     cdef Connection _wrap(Endpoint ep, c.mrc_conn *cp):
@@ -458,10 +486,34 @@ cdef class Connection:
                 f"{what}: bytes [{offset}, {offset + n}) are outside the {mr.size}-byte region")
         return n
 
+    cdef object _post(self, c.mrc_wr *wr, MemoryRegion local, uint64_t n, cq, uint64_t ctx,
+                      str what):
+        """Posts wr: to an Operation, or (cq given) to the CQ only, returning None."""
+        cdef c.mrc_op *op = NULL
+        cdef CompletionQueue q
+        cdef c.mrc_conn *cp = self._ptr()
+        wr.mr = local._ptr()
+        if cq is None:
+            check(c.mrc_post(cp, wr, &op), lambda: f"Failed to post a {n}-byte {what}")
+            return Operation._wrap(self, op, local, n)
+        if not isinstance(cq, CompletionQueue):
+            raise errors.UsageError(
+                f"{what}: cq must be a CompletionQueue, got {type(cq).__name__}")
+        q = <CompletionQueue>cq
+        if q.endpoint is not self.endpoint:
+            raise errors.UsageError(f"{what}: the completion queue belongs to another endpoint")
+        wr.cq = q._ptr()
+        wr.ctx = ctx
+        check(c.mrc_post(cp, wr, NULL), lambda: f"Failed to post a {n}-byte {what} to a CQ")
+        q._regions.add(local)  # no Operation holds it: the CQ keeps it alive
+        return None
+
     def write(self, MemoryRegion local, remote, *, uint64_t offset=0, length=None,
-              uint64_t remote_offset=0, imm=None) -> Operation:
+              uint64_t remote_offset=0, imm=None, cq=None, uint64_t ctx=0):
         """RDMA WRITE local[offset:offset+length] to remote[remote_offset:...]. With
-        `imm`, the peer's wait_imm() returns it once every byte is in place."""
+        `imm`, the peer's wait_imm() returns it once every byte is in place.
+        With `cq`, the completion goes to that CompletionQueue with `ctx` and
+        None is returned instead of an Operation."""
         if not isinstance(remote, RemoteRegion):
             raise errors.UsageError("write: remote must be a RemoteRegion (peer's descriptor())")
         cdef uint64_t n = self._span(local, offset, length, "write")
@@ -469,32 +521,71 @@ cdef class Connection:
             raise errors.UsageError(
                 f"write: remote bytes [{remote_offset}, {remote_offset + n}) are outside the "
                 f"peer's {remote.size}-byte region")
-        cdef uint32_t iv = 0 if imm is None else imm
-        cdef int flags = 0 if imm is None else c.MRC_WRITE_IMM
-        cdef c.mrc_op *op = NULL
-        cdef uint64_t key = remote.key
-        check(c.mrc_post_write(self._ptr(), local._ptr(), offset, n, key, remote_offset, iv,
-                               flags, &op), lambda: f"Failed to post a {n}-byte write")
-        return Operation._wrap(self, op, local, n)
+        cdef c.mrc_wr wr
+        memset(&wr, 0, sizeof(wr))
+        wr.kind = c.MRC_OP_WRITE
+        wr.loff = offset
+        wr.len = n
+        wr.rkey = remote.key
+        wr.roff = remote_offset
+        if imm is not None:
+            if not 0 <= imm < 2**32:
+                raise errors.UsageError(f"write: imm must be a 32-bit unsigned value, got {imm}")
+            wr.imm = imm
+            wr.flags = c.MRC_WRITE_IMM
+        return self._post(&wr, local, n, cq, ctx, "write")
 
     def send(self, MemoryRegion local, *, uint64_t offset=0, length=None,
-             uint64_t tag=0) -> Operation:
-        """Two-sided SEND of local[offset:offset+length], matched by tag at the peer."""
+             uint64_t tag=0, cq=None, uint64_t ctx=0):
+        """Two-sided SEND of local[offset:offset+length], matched by tag at the peer.
+        `cq`, `ctx`: as for write()."""
         cdef uint64_t n = self._span(local, offset, length, "send")
-        cdef c.mrc_op *op = NULL
-        check(c.mrc_post_send(self._ptr(), local._ptr(), offset, n, tag, &op),
-              lambda: f"Failed to post a {n}-byte send")
-        return Operation._wrap(self, op, local, n)
+        cdef c.mrc_wr wr
+        memset(&wr, 0, sizeof(wr))
+        wr.kind = c.MRC_OP_SEND
+        wr.loff = offset
+        wr.len = n
+        wr.tag = tag
+        return self._post(&wr, local, n, cq, ctx, "send")
 
     def recv(self, MemoryRegion local, *, uint64_t offset=0, length=None,
-             tag=None) -> Operation:
-        """Post a receive buffer for the next SEND with `tag` (None: any tag)."""
+             tag=None, cq=None, uint64_t ctx=0):
+        """Post a receive buffer for the next SEND with `tag` (None: any tag).
+        `cq`, `ctx`: as for write()."""
         cdef uint64_t n = self._span(local, offset, length, "recv")
-        cdef uint64_t t = c.MRC_TAG_ANY if tag is None else tag
-        cdef c.mrc_op *op = NULL
-        check(c.mrc_post_recv(self._ptr(), local._ptr(), offset, n, t, &op),
-              lambda: f"Failed to post a {n}-byte recv")
-        return Operation._wrap(self, op, local, n)
+        cdef c.mrc_wr wr
+        memset(&wr, 0, sizeof(wr))
+        wr.kind = c.MRC_OP_RECV
+        wr.loff = offset
+        wr.len = n
+        wr.tag = c.MRC_TAG_ANY if tag is None else tag
+        return self._post(&wr, local, n, cq, ctx, "recv")
+
+    def set_cq(self, cq, uint64_t ctx=0) -> None:
+        """Deliver this connection's immediates (WRITE with imm from the peer) to
+        `cq` as IMM entries carrying `ctx`, instead of to wait_imm(). None unbinds.
+        Immediates already waiting move to the CQ."""
+        cdef CompletionQueue q = None
+        cdef c.mrc_cq *qp = NULL
+        if cq is not None:
+            if not isinstance(cq, CompletionQueue):
+                raise errors.UsageError(
+                    f"set_cq: cq must be a CompletionQueue or None, got {type(cq).__name__}")
+            q = <CompletionQueue>cq
+            if q.endpoint is not self.endpoint:
+                raise errors.UsageError("set_cq: the completion queue belongs to another endpoint")
+            qp = q._ptr()
+        check(c.mrc_conn_set_cq(self._ptr(), qp, ctx), "Failed to bind a completion queue")
+        if self._cq is not None:
+            (<CompletionQueue>self._cq)._bound.discard(self)
+        self._cq = q
+        if q is not None:
+            q._bound.add(self)
+
+    @property
+    def handle(self) -> int:
+        """An integer naming this connection: the `conn` field of its CQ entries."""
+        return <uintptr_t>self._ptr()
 
     def wait_imm(self, timeout=None) -> tuple:
         """The next WRITE-with-immediate that completed here: (imm, length)."""
@@ -544,11 +635,18 @@ cdef class Connection:
         return None if rc == 0 else error_for(rc, "connection failed")
 
     def close(self) -> None:
-        """Close; pending operations fail with ConnectionClosedError."""
+        """Close; pending operations fail with ConnectionClosedError. A collective
+        executor using the connection is stopped first (its run ends, it is closed)."""
+        users, self._users = self._users, None
+        for u in list(users or ()):
+            (<CollExecutor>u)._conn_closing()
         if self.conn != NULL:
             with nogil:
                 c.mrc_conn_destroy(self.conn)
             self.conn = NULL
+        if self._cq is not None:
+            (<CompletionQueue>self._cq)._bound.discard(self)
+            self._cq = None
 
     @property
     def closed(self) -> bool:
@@ -635,3 +733,369 @@ cdef class Operation:
     def __repr__(self) -> str:
         state = "done" if self.done else "pending"
         return f"<mrc.Operation {self.kind} {self.length} bytes {state}>"
+
+
+cdef object _wc_dtype = None
+
+
+cdef object _completion_dtype():
+    """The numpy dtype of one completion: struct mrc_wc itself, so that C fills the
+    array in place (conn: the pointer, as Connection.handle)."""
+    global _wc_dtype
+    cdef c.mrc_wc w
+    cdef char *base = <char *>&w
+    if _wc_dtype is None:
+        import numpy as np
+
+        _wc_dtype = np.dtype({
+            "names": ["ctx", "status", "kind", "bytes", "tag", "imm", "conn"],
+            "formats": ["<u8", "<i4", "<i4", "<u8", "<u8", "<u4", "<u8"],
+            "offsets": [<char *>&w.ctx - base, <char *>&w.status - base,
+                        <char *>&w.kind - base, <char *>&w.bytes - base,
+                        <char *>&w.tag - base, <char *>&w.imm - base,
+                        <char *>&w.conn - base],
+            "itemsize": sizeof(c.mrc_wc),
+        })
+    return _wc_dtype
+
+
+@cython.no_gc_clear  # __dealloc__ may hand its regions to the endpoint
+cdef class CompletionQueue:
+    """Completions of operations posted with cq=this queue, and immediates of
+    connections bound with conn.set_cq(this queue), in completion order.
+
+    poll()/wait() return a numpy structured array, one row per completion, filled
+    by C in one call (no Python object per completion): fields ctx (the post's
+    ctx; IMM: the set_cq ctx), status (0 or a negative code: mrc.strerror()),
+    kind (WRITE, SEND, RECV, IMM below), bytes, tag (RECV: the message's), imm
+    (IMM: the value), conn (Connection.handle of the connection)."""
+
+    WRITE = c.MRC_WC_WRITE
+    SEND = c.MRC_WC_SEND
+    RECV = c.MRC_WC_RECV
+    IMM = c.MRC_WC_IMM
+
+    cdef c.mrc_cq *cq
+    cdef object __weakref__
+    cdef readonly Endpoint endpoint
+    cdef set _regions  # regions posted through it: no Operation keeps them alive
+    cdef object _bound  # WeakSet of the connections bound to it (set_cq)
+    cdef int _busy     # threads in wait() (the GIL released)
+    cdef object _dtype
+    cdef object _empty
+
+    def __cinit__(self):
+        self.cq = NULL
+        self._busy = 0
+        self._regions = set()
+        self._bound = weakref.WeakSet()
+
+    def __init__(self, Endpoint endpoint) -> None:
+        cdef c.mrc_ep *e = endpoint._ptr()
+        self._dtype = _completion_dtype()
+        import numpy as np
+
+        self._empty = np.empty
+        check(c.mrc_cq_create(e, &self.cq), "Failed to create a completion queue")
+        self.endpoint = endpoint
+        endpoint._children.add(self)
+
+    @property
+    def dtype(self):
+        """The numpy dtype of the arrays poll() and wait() return."""
+        return self._dtype
+
+    cdef c.mrc_cq *_ptr(self) except NULL:
+        if self.cq == NULL:
+            if self.endpoint is not None and self.endpoint.closed:
+                raise errors.ConnectionClosedError("completion queue: its endpoint is closed")
+            raise errors.UsageError("completion queue is closed")
+        return self.cq
+
+    cdef object _fill(self, int max, int timeout_ms, bint block):
+        if max < 1:
+            raise errors.UsageError(f"max must be >= 1 completion, got {max}")
+        cdef c.mrc_cq *q = self._ptr()
+        arr = self._empty(max, self._dtype)
+        cdef Py_buffer view
+        PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE)
+        cdef c.mrc_wc *wc = <c.mrc_wc *>view.buf
+        cdef int n
+        if block:
+            self._busy += 1
+            with nogil:
+                n = c.mrc_cq_wait(q, wc, max, timeout_ms)
+            self._busy -= 1
+        else:
+            n = c.mrc_cq_poll(q, wc, max)
+        PyBuffer_Release(&view)
+        if n == -ETIMEDOUT:
+            return arr[:0]
+        if n == c.MRC_ECLOSED:
+            raise errors.ConnectionClosedError(
+                "completion queue shut down: its endpoint is closing")
+        if n < 0:
+            raise error_for(n, "Failed to read completions")
+        return arr[:n]
+
+    def poll(self, int max=64):
+        """Up to `max` completions waiting now (never blocks), as an array."""
+        return self._fill(max, 0, False)
+
+    def wait(self, timeout=None, int max=64):
+        """Like poll(), but blocks until at least one completion is there or
+        `timeout` seconds pass (None: forever); on timeout the array is empty."""
+        return self._fill(max, _ms(timeout), True)
+
+    def fileno(self) -> int:
+        """An eventfd readable while completions wait (selectors, asyncio
+        add_reader). Do not read it: the poll() that empties the queue resets it."""
+        return c.mrc_cq_fd(self._ptr())
+
+    def _shutdown(self) -> None:
+        if self.cq != NULL:
+            c.mrc_cq_shutdown(self.cq)
+
+    def _detach(self) -> None:
+        """The endpoint freed the C queue (mrc_ep_destroy)."""
+        self.cq = NULL
+        self._regions.clear()
+        self._bound.clear()
+
+    def close(self) -> None:
+        """Free the queue; connections bound to it are unbound (their immediates go
+        to wait_imm() again). BusyError while operations posted to it are pending or
+        a thread waits on it."""
+        if self.cq == NULL:
+            return
+        if self._busy:
+            raise errors.BusyError(
+                f"Failed to close the completion queue: {self._busy} thread(s) in wait()")
+        for conn in list(self._bound):
+            if not conn.closed:
+                conn.set_cq(None)
+        cdef int rc = c.mrc_cq_destroy(self.cq)
+        if rc == c.MRC_EBUSY:
+            raise errors.BusyError(
+                "Failed to close the completion queue: operations posted to it are still "
+                "pending")
+        check(rc, "Failed to close the completion queue")
+        self.cq = NULL
+        self._regions.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self.cq == NULL
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            self.close()
+        except errors.BusyError:
+            if exc_type is None:
+                raise
+            # Leaving on an error with ops still pending: do not hide that error;
+            # the endpoint frees the queue when it closes.
+
+    def __dealloc__(self):
+        if self.cq == NULL:
+            return
+        if c.mrc_cq_destroy(self.cq) != 0:
+            # Ops still pending: the endpoint frees the C queue when it goes, and
+            # keeps the regions those ops use alive until then.
+            if self.endpoint is not None and self._regions:
+                self.endpoint._orphans.append(self._regions)
+        self.cq = NULL
+
+    def __repr__(self) -> str:
+        return f"<mrc.CompletionQueue{' closed' if self.cq == NULL else ''}>"
+
+
+# ---- collectives: the schedule executor (src_c/coll.c) ----------------------
+
+COLL_STEP_SIZE = sizeof(c.mrc_coll_step)
+COLL_REF_SIZE = sizeof(c.mrc_coll_ref)
+ABORTED = c.MRC_EABORT
+MISMATCH = c.MRC_EMISMATCH
+
+
+def reduce_into(acc, src, int dtype, int op) -> None:
+    """acc op= src with the C kernels (tests and tools; dtype/op: enum codes)."""
+    cdef const unsigned char[::1] s = memoryview(src).cast("B")
+    cdef unsigned char[::1] a = memoryview(acc).cast("B")
+    cdef size_t es = c.mrc_dtype_size(dtype)
+    if es == 0 or a.shape[0] != s.shape[0] or a.shape[0] % es:
+        raise errors.UsageError(f"reduce_into: {a.shape[0]} and {s.shape[0]} bytes of dtype {dtype}")
+    cdef size_t n = a.shape[0] // es
+    cdef int rc
+    with nogil:
+        rc = c.mrc_reduce(&a[0] if n else NULL, &s[0] if n else NULL, n, dtype, op)
+    check(rc, "reduce")
+
+
+def reduce_finish(acc, int dtype, int op, int n) -> None:
+    cdef unsigned char[::1] a = memoryview(acc).cast("B")
+    cdef size_t es = c.mrc_dtype_size(dtype)
+    if es == 0 or a.shape[0] % es:
+        raise errors.UsageError(f"reduce_finish: {a.shape[0]} bytes of dtype {dtype}")
+    cdef size_t count = a.shape[0] // es
+    check(c.mrc_reduce_finish(&a[0] if count else NULL, count, dtype, op, n), "reduce_finish")
+
+
+@cython.no_gc_clear  # __dealloc__ needs its endpoint alive
+cdef class CollExecutor:
+    """The C executor of collective schedules for one rank (src_c/coll.c): run()
+    takes a packed schedule (mrc.collectives.schedule.Packed) and the call's
+    buffers and runs it to completion without the GIL. After a failure it
+    closes its peers' connections (the communicator is over: operations may be
+    pending on them) and waits for every operation to end, so no buffer is
+    touched once run() returns."""
+
+    cdef c.mrc_coll *coll
+    cdef object __weakref__
+    cdef readonly Endpoint endpoint
+    cdef list _peers
+    cdef object _lock  # held by run(); close() takes it, so it waits for a run
+    cdef bint _closed
+
+    def __cinit__(self):
+        self.coll = NULL
+        self._closed = False
+
+    def __init__(self, Endpoint endpoint, int rank, int nranks, peers, *,
+                 uint64_t chunk_bytes=0, int slots=0, int window=0):
+        import threading
+        cdef c.mrc_coll_config cfg
+        peers = list(peers)
+        if len(peers) != nranks:
+            raise errors.UsageError(f"{nranks} ranks need {nranks} peers entries, got {len(peers)}")
+        if chunk_bytes % 8:
+            raise errors.UsageError(f"chunk_bytes must be a multiple of 8, got {chunk_bytes}")
+        cdef c.mrc_conn **ptrs = <c.mrc_conn **>malloc(max(nranks, 1) * sizeof(c.mrc_conn *))
+        if ptrs == NULL:
+            raise MemoryError()
+        try:
+            for i, p in enumerate(peers):
+                if i == rank:
+                    if p is not None:
+                        raise errors.UsageError(f"peers[{rank}] (this rank) must be None")
+                    ptrs[i] = NULL
+                    continue
+                if not isinstance(p, Connection):
+                    raise errors.UsageError(f"peers[{i}] must be a Connection, got {p!r}")
+                if (<Connection>p).endpoint is not endpoint:
+                    raise errors.UsageError(f"peers[{i}] belongs to another endpoint")
+                ptrs[i] = (<Connection>p)._ptr()
+            cfg.rank = rank
+            cfg.nranks = nranks
+            cfg.peers = ptrs
+            cfg.chunk_bytes = chunk_bytes
+            cfg.slots = slots
+            cfg.window = window
+            check(c.mrc_coll_create(endpoint._ptr(), &cfg, &self.coll),
+                  lambda: f"Failed to create the collective executor of rank {rank}/{nranks}")
+        finally:
+            free(ptrs)
+        self.endpoint = endpoint
+        self._peers = peers
+        self._lock = threading.RLock()
+        for p in peers:
+            if p is not None:
+                if (<Connection>p)._users is None:
+                    (<Connection>p)._users = weakref.WeakSet()
+                (<Connection>p)._users.add(self)
+        endpoint._children.add(self)
+
+    def run(self, packed, send, recv, int dtype, int op, uint32_t sig, timeout) -> tuple:
+        """Runs one schedule: (0, -1) or (error code, the peer involved or -1).
+        send/recv: buffer-protocol objects or None (recv must be writable; they
+        may be the same object)."""
+        cdef const unsigned char[::1] steps = packed.steps.view("u1").reshape(-1)
+        cdef const unsigned char[::1] refs = packed.refs.view("u1").reshape(-1)
+        cdef const unsigned char[::1] deps = packed.deps.view("u1").reshape(-1)
+        cdef c.mrc_coll_plan plan
+        cdef c.mrc_coll_args a
+        cdef Py_buffer sv, rv
+        cdef bint has_s = False, has_r = False
+        cdef int rc = 0, failed = -1
+        memset(&a, 0, sizeof(a))
+        plan.nsteps = <uint32_t>(steps.shape[0] // sizeof(c.mrc_coll_step))
+        plan.steps = <const c.mrc_coll_step *>&steps[0] if plan.nsteps else NULL
+        plan.nrefs = <uint32_t>(refs.shape[0] // sizeof(c.mrc_coll_ref))
+        plan.refs = <const c.mrc_coll_ref *>&refs[0] if plan.nrefs else NULL
+        plan.ndeps = <uint32_t>(deps.shape[0] // 4)
+        plan.deps = <const uint32_t *>&deps[0] if plan.ndeps else NULL
+        plan.nrings = packed.nrings
+        a.dtype = dtype
+        a.op = op
+        a.sig = sig
+        a.timeout_ms = _ms(timeout)
+        with self._lock:
+            if self._closed or self.coll == NULL:
+                return (c.MRC_EABORT, -1)
+            try:
+                if send is not None:
+                    PyObject_GetBuffer(send, &sv, PyBUF_SIMPLE)
+                    has_s = True
+                    a.send = sv.buf
+                    a.send_len = sv.len
+                if recv is not None:
+                    PyObject_GetBuffer(recv, &rv, PyBUF_WRITABLE)
+                    has_r = True
+                    a.recv = rv.buf
+                    a.recv_len = rv.len
+                with nogil:
+                    rc = c.mrc_coll_run(self.coll, &plan, &a, &failed)
+                if rc and rc != c.MRC_EUSAGE:
+                    self._fail()
+            finally:
+                if has_s:
+                    PyBuffer_Release(&sv)
+                if has_r:
+                    PyBuffer_Release(&rv)
+        return (rc, failed)
+
+    cdef _fail(self):
+        """After a failed run: close the peers' connections so that what is still
+        pending fails, then wait until nothing is (buffers are held until then)."""
+        cdef int rc
+        for p in self._peers:
+            if p is not None:
+                p.close()
+        with nogil:
+            rc = c.mrc_coll_drain(self.coll, 10000)
+        if rc:
+            # Cannot happen with every connection closed; never leave a region
+            # the datapath may still write to: keep the executor (and so its
+            # regions) alive with the endpoint.
+            self.endpoint._orphans.append(self)
+
+    def abort(self) -> None:
+        """Any thread: the running and every later run() returns ABORTED."""
+        if self.coll != NULL:
+            c.mrc_coll_abort(self.coll)
+
+    def _conn_closing(self) -> None:
+        """A peer connection is about to be freed: end any run, then retire."""
+        self.abort()
+        with self._lock:
+            self._closed = True
+
+    @property
+    def scratch_bytes(self) -> int:
+        return 0 if self.coll == NULL else c.mrc_coll_scratch_bytes(self.coll)
+
+    def close(self) -> None:
+        self.abort()
+        with self._lock:
+            self._closed = True
+            if self.coll != NULL:
+                c.mrc_coll_destroy(self.coll)
+                self.coll = NULL
+
+    def __dealloc__(self):
+        if self.coll != NULL:
+            c.mrc_coll_destroy(self.coll)
+            self.coll = NULL

@@ -22,6 +22,9 @@ cdef extern from "mrc.h" nogil:
         MRC_EUSAGE
         MRC_EREMOTE
         MRC_ENOBUFS
+        MRC_EBUSY
+        MRC_EABORT
+        MRC_EMISMATCH
         MRC_OP_WRITE
         MRC_OP_SEND
         MRC_OP_RECV
@@ -34,6 +37,8 @@ cdef extern from "mrc.h" nogil:
     ctypedef struct mrc_mr:
         pass
     ctypedef struct mrc_op:
+        pass
+    ctypedef struct mrc_cq:
         pass
 
     const char *mrc_strerror(int rc)
@@ -97,6 +102,38 @@ cdef extern from "mrc.h" nogil:
     void mrc_op_release(mrc_op *op)
     int mrc_conn_wait_imm(mrc_conn *c, int timeout_ms, uint32_t *imm, uint64_t *len)
 
+    enum:
+        MRC_WC_WRITE
+        MRC_WC_SEND
+        MRC_WC_RECV
+        MRC_WC_IMM
+    struct mrc_wc:
+        uint64_t ctx
+        int status
+        int kind
+        uint64_t bytes
+        uint64_t tag
+        uint32_t imm
+        mrc_conn *conn
+    int mrc_cq_create(mrc_ep *ep, mrc_cq **out)
+    int mrc_cq_destroy(mrc_cq *cq)
+    void mrc_cq_shutdown(mrc_cq *cq)
+    int mrc_cq_fd(const mrc_cq *cq)
+    int mrc_cq_poll(mrc_cq *cq, mrc_wc *wc, int max)
+    int mrc_cq_wait(mrc_cq *cq, mrc_wc *wc, int max, int timeout_ms)
+    int mrc_conn_set_cq(mrc_conn *c, mrc_cq *cq, uint64_t ctx)
+    struct mrc_wr:
+        int kind
+        int flags
+        mrc_mr *mr
+        uint64_t loff, len
+        uint64_t rkey, roff
+        uint32_t imm
+        uint64_t tag
+        mrc_cq *cq
+        uint64_t ctx
+    int mrc_post(mrc_conn *c, const mrc_wr *wr, mrc_op **out)
+
     struct mrc_path_stats:
         int conn_index
         uint32_t conn_id
@@ -125,3 +162,46 @@ cdef extern from "mrc_testing.h" nogil:
                          const char *src_addr, uint16_t src_port)
     uint32_t mrc_conn_id(const mrc_conn *c)
     uint32_t mrc_conn_peer_id(const mrc_conn *c)
+
+
+# Collectives (reduce.c, coll.c)
+cdef extern from "mrc.h" nogil:
+    size_t mrc_dtype_size(int dtype)
+    int mrc_reduce(void *acc, const void *src, size_t count, int dtype, int op)
+    int mrc_reduce_finish(void *acc, size_t count, int dtype, int op, int n)
+
+    struct mrc_coll_step:
+        uint32_t kind
+    struct mrc_coll_ref:
+        uint32_t buf
+    struct mrc_coll_plan:
+        const mrc_coll_step *steps
+        uint32_t nsteps
+        uint32_t nrings
+        const mrc_coll_ref *refs
+        uint32_t nrefs
+        const uint32_t *deps
+        uint32_t ndeps
+    struct mrc_coll_args:
+        void *send
+        uint64_t send_len
+        void *recv
+        uint64_t recv_len
+        int dtype, op
+        uint32_t sig
+        int timeout_ms
+    struct mrc_coll_config:
+        int rank, nranks
+        mrc_conn **peers
+        uint64_t chunk_bytes
+        int slots
+        int window
+    ctypedef struct mrc_coll:
+        pass
+    int mrc_coll_create(mrc_ep *ep, const mrc_coll_config *cfg, mrc_coll **out)
+    int mrc_coll_run(mrc_coll *c, const mrc_coll_plan *plan, const mrc_coll_args *a,
+                     int *failed_peer)
+    void mrc_coll_abort(mrc_coll *c)
+    int mrc_coll_drain(mrc_coll *c, int timeout_ms)
+    uint64_t mrc_coll_scratch_bytes(const mrc_coll *c)
+    void mrc_coll_destroy(mrc_coll *c)

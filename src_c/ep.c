@@ -33,6 +33,9 @@ const char *mrc_strerror(int rc)
     case MRC_EUSAGE: return "invalid argument";
     case MRC_EREMOTE: return "connection failed after a remote access error";
     case MRC_ENOBUFS: return "table full";
+    case MRC_EABORT: return "collective aborted";
+    case MRC_EMISMATCH: return "ranks called the collective with different arguments";
+    case MRC_EBUSY: return "still in use by pending operations";
     default: return rc < 0 && rc > -4096 ? strerror(-rc) : "unknown error";
     }
 }
@@ -228,12 +231,16 @@ void mrc_ep_destroy(mrc_ep *ep)
     ep_wake(ep);
     pthread_join(ep->thread, NULL);
     /* The thread failed every pending op and freed every connection's
-     * datapath state before it returned (engine_main). What the caller did
-     * not destroy goes now: its handles are dangling from here on. */
+     * datapath state before it returned (engine_main); ops posted to a CQ
+     * have their MRC_ECLOSED entry there. What the caller did not destroy
+     * goes now: its handles are dangling from here on. Connections go before
+     * CQs: freeing one unbinds it from its CQ. */
+    cq_stop_waiters(ep);
     while (ep->own_conns)
         conn_free(ep->own_conns);
     while (ep->own_mrs)
         mr_free(ep->own_mrs);
+    cq_free_all(ep);
     for (int i = 0; i < ep->nsocks; i++) {
         close(ep->socks[i]->fd);
         free(ep->socks[i]);
@@ -384,17 +391,21 @@ static void mr_free(mrc_mr *mr)
 
 /* ---- operations ---------------------------------------------------------- */
 
+/* Hands op to the progress thread. References: the progress thread's until
+ * it publishes the completion, the caller's if out, the CQ entry's if cq. */
 static int op_post(mrc_conn *c, mrc_op *op, mrc_op **out)
 {
     mrc_ep *ep = c->ep;
-    atomic_init(&op->refs, 2);
+    atomic_init(&op->refs, 1 + (out != NULL) + (op->cq != NULL));
     pthread_mutex_lock(&ep->lock);
-    if (ep->stopping || c->state != CONN_ACTIVE) {
+    if (ep->stopping || c->state != CONN_ACTIVE || (op->cq && op->cq->shut)) {
         int err = c->state == CONN_ACTIVE ? MRC_ECLOSED : (c->error ? c->error : MRC_ECLOSED);
         pthread_mutex_unlock(&ep->lock);
         free(op);
         return err;
     }
+    if (op->cq)
+        op->cq->npending++;
     op->qnext = NULL;
     if (ep->subq_tail)
         ep->subq_tail->qnext = op;
@@ -405,59 +416,70 @@ static int op_post(mrc_conn *c, mrc_op *op, mrc_op **out)
     pthread_mutex_unlock(&ep->lock);
     if (wake)
         ep_wake(ep);
-    *out = op;
+    if (out)
+        *out = op;
     return 0;
 }
 
-static mrc_op *op_new(mrc_conn *c, int kind, mrc_mr *lmr, uint64_t loff, uint64_t len)
+static mrc_op *op_new(mrc_conn *c, const struct mrc_wr *wr)
 {
-    if (!c || !lmr || lmr->ep != c->ep || len > lmr->len || loff > lmr->len - len)
+    mrc_mr *lmr = wr->mr;
+    if (!lmr || lmr->ep != c->ep || wr->len > lmr->len || wr->loff > lmr->len - wr->len)
         return NULL;
     mrc_op *op = calloc(1, sizeof(*op));
     if (!op)
         return NULL;
-    op->kind = kind;
+    op->kind = wr->kind;
+    op->flags = wr->flags;
     op->ep = c->ep;
     op->conn = c;
     op->mr = lmr;
-    op->loff = loff;
-    op->len = len;
+    op->loff = wr->loff;
+    op->len = wr->len;
+    op->rkey = wr->rkey;
+    op->roff = wr->roff;
+    op->imm = wr->imm;
+    op->tag = wr->tag;
+    op->cq = wr->cq;
+    op->ctx = wr->ctx;
+    op->cqe.op = op;
     return op;
+}
+
+int mrc_post(mrc_conn *c, const struct mrc_wr *wr, mrc_op **out)
+{
+    if (!c || !wr || (!out && !wr->cq) || (wr->cq && wr->cq->ep != c->ep))
+        return MRC_EUSAGE;
+    if (wr->kind != MRC_OP_WRITE && wr->kind != MRC_OP_SEND && wr->kind != MRC_OP_RECV)
+        return MRC_EUSAGE;
+    if (wr->flags & ~(wr->kind == MRC_OP_WRITE ? MRC_WRITE_IMM : 0))
+        return MRC_EUSAGE;
+    mrc_op *op = op_new(c, wr);
+    if (!op)
+        return MRC_EUSAGE;
+    return op_post(c, op, out);
 }
 
 int mrc_post_write(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t rkey,
                    uint64_t roff, uint32_t imm, int flags, mrc_op **out)
 {
-    if (flags & ~MRC_WRITE_IMM)
-        return MRC_EUSAGE;
-    mrc_op *op = op_new(c, MRC_OP_WRITE, lmr, loff, len);
-    if (!op)
-        return MRC_EUSAGE;
-    op->rkey = rkey;
-    op->roff = roff;
-    op->imm = imm;
-    op->flags = flags;
-    return op_post(c, op, out);
+    struct mrc_wr wr = {.kind = MRC_OP_WRITE, .flags = flags, .mr = lmr, .loff = loff,
+                        .len = len, .rkey = rkey, .roff = roff, .imm = imm};
+    return out ? mrc_post(c, &wr, out) : MRC_EUSAGE;
 }
 
 int mrc_post_send(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t tag,
                   mrc_op **out)
 {
-    mrc_op *op = op_new(c, MRC_OP_SEND, lmr, loff, len);
-    if (!op)
-        return MRC_EUSAGE;
-    op->tag = tag;
-    return op_post(c, op, out);
+    struct mrc_wr wr = {.kind = MRC_OP_SEND, .mr = lmr, .loff = loff, .len = len, .tag = tag};
+    return out ? mrc_post(c, &wr, out) : MRC_EUSAGE;
 }
 
 int mrc_post_recv(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t tag,
                   mrc_op **out)
 {
-    mrc_op *op = op_new(c, MRC_OP_RECV, lmr, loff, len);
-    if (!op)
-        return MRC_EUSAGE;
-    op->tag = tag;
-    return op_post(c, op, out);
+    struct mrc_wr wr = {.kind = MRC_OP_RECV, .mr = lmr, .loff = loff, .len = len, .tag = tag};
+    return out ? mrc_post(c, &wr, out) : MRC_EUSAGE;
 }
 
 static void op_unref(mrc_op *op)
@@ -495,7 +517,9 @@ int mrc_op_wait(mrc_op *op, int timeout_ms)
 {
     mrc_ep *ep = op->ep;
     pthread_mutex_lock(&ep->lock);
+    op->waiters++; /* ep_publish_pt broadcasts only for batches someone waits on */
     bool done = wait_for(ep, timeout_ms, op_ready, op);
+    op->waiters--;
     pthread_mutex_unlock(&ep->lock);
     return done ? 0 : -ETIMEDOUT;
 }
@@ -556,18 +580,36 @@ void op_complete_pt(mrc_ep *ep, mrc_op *op, int status)
     ep->done_head = op;
 }
 
+/* Makes a batch of completions visible: done on their handles, entries on
+ * their CQs (in completion order). ep->cv is broadcast only if a thread waits
+ * on one of these ops; CQ waiters are woken by their own CQ (cq_push_locked). */
 void ep_publish_pt(mrc_ep *ep)
 {
     if (!ep->done_head)
         return;
-    mrc_op *list = ep->done_head;
+    mrc_op *list = NULL;
+    for (mrc_op *op = ep->done_head, *n; op; op = n) { /* newest first: reverse */
+        n = op->qnext;
+        op->qnext = list;
+        list = op;
+    }
     ep->done_head = NULL;
+    bool wake = false;
     pthread_mutex_lock(&ep->lock);
     for (mrc_op *op = list; op; op = op->qnext) {
         op->status = op->pt_status;
         op->done = 1;
+        wake |= op->waiters > 0;
+        if (op->cq) {
+            op->cqe.wc = (struct mrc_wc){.ctx = op->ctx, .status = op->status,
+                                         .kind = op->kind, .bytes = op->res_bytes,
+                                         .tag = op->res_tag, .conn = op->conn};
+            op->cq->npending--;
+            cq_push_locked(op->cq, &op->cqe);
+        }
     }
-    pthread_cond_broadcast(&ep->cv);
+    if (wake)
+        pthread_cond_broadcast(&ep->cv);
     pthread_mutex_unlock(&ep->lock);
     for (mrc_op *op = list, *n; op; op = n) {
         n = op->qnext;

@@ -34,7 +34,7 @@
 #define MRC_PKT_MAX (MRC_DATA_HDR_LEN + MRC_MAX_MSS)
 
 /* Timing policy (ns). */
-#define MRC_TIMER_NS 250000ull          /* timer scan period */
+#define MRC_TIMER_NS 250000ull          /* timer scan period while packets are in flight */
 #define MRC_MIN_RTO_NS 5000000ull       /* floor of a path's retransmit timeout */
 #define MRC_MIN_QUICK_RTO_NS 1000000ull /* floor while other paths deliver */
 #define MRC_PROBE_INTERVAL_NS 5000000ull /* failed/probing paths are probed this often */
@@ -96,8 +96,30 @@ struct mrc_mr {
     int access;        /* [const] */
 };
 
+/* A completion waiting on a CQ: embedded in its op, or allocated for an
+ * immediate (op NULL). */
+struct cq_ent {
+    struct cq_ent *next;
+    mrc_op *op;         /* holds one reference until polled; NULL: immediate */
+    struct mrc_wc wc;
+};
+
+struct mrc_cq {
+    mrc_ep *ep;                         /* [const] */
+    struct mrc_cq *own_prev, *own_next; /* [lock] ep->own_cqs: freed by mrc_ep_destroy */
+    int fd;                             /* [const] eventfd, readable while head != NULL */
+    pthread_cond_t cv;                  /* waiters of this CQ only */
+    /* [lock] */
+    struct cq_ent *head, *tail;
+    bool fd_set;        /* the eventfd counter is non-zero */
+    int waiters;        /* threads inside mrc_cq_wait */
+    uint64_t npending;  /* ops posted to it and not yet completed */
+    int nbound;         /* connections bound with mrc_conn_set_cq */
+    bool shut;          /* mrc_cq_shutdown */
+};
+
 struct mrc_op {
-    atomic_int refs;    /* the caller's reference + the progress thread's */
+    atomic_int refs;    /* the caller's (if out), the progress thread's, the CQ's (if cq) */
     int kind;           /* [const] enum mrc_op_kind */
     int flags;          /* [const] MRC_WRITE_IMM */
     mrc_ep *ep;         /* [const] outlives the connection */
@@ -106,6 +128,9 @@ struct mrc_op {
     uint64_t loff, len; /* [const] */
     uint64_t rkey, roff, tag; /* [const] */
     uint32_t imm;       /* [const] */
+    mrc_cq *cq;         /* [const] NULL: completes on the handle only */
+    uint64_t ctx;       /* [const] returned in the CQ entry */
+    struct cq_ent cqe;  /* [lock] its entry on cq once complete */
     /* progress thread */
     uint32_t msn;
     uint64_t seg_off;   /* next byte to put in a packet */
@@ -117,6 +142,7 @@ struct mrc_op {
     struct mrc_op *qnext;       /* submission or completion list */
     /* [lock] */
     int done, status;
+    int waiters;        /* threads in mrc_op_wait: publish wakes ep->cv only for them */
 };
 
 /* One transmitted (or pending) packet, indexed by psn % window. */
@@ -198,6 +224,9 @@ struct mrc_conn {
     int path_index[MRC_MAX_PATHS]; /* wire path id -> index in paths[], -1 none */
     bool active_listed, in_ackq, closing_sent;
     struct mrc_conn *next_active, *next_ack;
+    struct mrc_conn *pt_prev, *pt_next; /* ep->pt_conns: every connection in ep->conns[] */
+    bool timed;                  /* on ep->timed: has timers to run (engine_timers) */
+    struct mrc_conn *next_timed;
 
     /* transmit */
     struct tx_pkt *tx;
@@ -228,8 +257,10 @@ struct mrc_conn {
     uint32_t ack_echo_psn[MRC_MAX_PATHS];
     uint64_t ack_echo_ts[MRC_MAX_PATHS];
 
-    /* [lock] immediates delivered to the user */
+    /* [lock] immediates delivered to the user: on imm_head, or on cq when bound */
     struct imm_ev *imm_head, *imm_tail;
+    mrc_cq *cq;
+    uint64_t cq_ctx;
 };
 
 /* A socket: one per plane (receives everything for the plane, sends plain
@@ -301,6 +332,7 @@ struct mrc_ep {
     uint32_t mr_free[MRC_SLOTS], nmr_free;
     mrc_conn *own_conns, *own_conns_tail; /* connections and regions not yet destroyed */
     mrc_mr *own_mrs, *own_mrs_tail;
+    mrc_cq *own_cqs, *own_cqs_tail;
     int listen_fd;
 
     /* progress thread */
@@ -309,10 +341,13 @@ struct mrc_ep {
     mrc_conn *conns[MRC_SLOTS];
     mrc_mr *mrs[MRC_SLOTS];
     mrc_conn *active;        /* connections in the datapath */
+    mrc_conn *pt_conns, *pt_conns_tail; /* every connection in conns[], in order of adding */
+    mrc_conn *timed;         /* active connections with timers to run; none: no tick */
     mrc_conn *ackq;          /* connections owing ACKs */
-    mrc_op *done_head;       /* completions to publish */
+    mrc_op *done_head;       /* completions to publish, newest first */
     uint64_t rng;
-    uint64_t next_timer_ns;
+    uint64_t next_timer_ns;  /* UINT64_MAX: no timer exists, sleep until woken */
+    bool nl_ready;           /* the netlink socket woke the loop */
     uint8_t *rxbuf;          /* MRC_BATCH * rx_slot bytes */
     uint32_t rx_slot;
     struct mrc_ep_stats st;
@@ -331,6 +366,13 @@ int addr_parse(const char *s, uint16_t port, struct sockaddr_storage *ss, sockle
 void addr_format(const struct sockaddr_storage *ss, char *buf, size_t len);
 bool addr_same_host(const struct sockaddr_storage *a, const struct sockaddr_storage *b);
 uint64_t rand_u64(void);
+
+/* cq.c */
+void cq_push_locked(mrc_cq *cq, struct cq_ent *e);
+void cq_conn_unbind_locked(mrc_conn *c);
+void cq_free_all(mrc_ep *ep);
+void cq_stop_waiters(mrc_ep *ep);
+int conn_imm_pt(mrc_conn *c, uint32_t imm, uint64_t len);
 
 /* sock.c */
 int sock_open_plane(mrc_ep *ep, int plane);
@@ -385,6 +427,7 @@ void link_poll_pt(mrc_ep *ep);
 
 /* engine.c */
 void *engine_main(void *arg);
+void conn_arm_timer_pt(mrc_conn *c);
 
 #define MRC_RNR_MIN_NS 1000000ull    /* first back-off after a receiver-not-ready */
 #define MRC_RNR_MAX_NS 64000000ull   /* back-off doubles up to this */

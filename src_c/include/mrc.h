@@ -166,12 +166,14 @@ void mrc_op_release(mrc_op *op);
 int mrc_conn_wait_imm(mrc_conn *c, int timeout_ms, uint32_t *imm, uint64_t *len);
 
 /* ---- completion queues --------------------------------------------------
- * CONTRACT (issue 10; implemented in src_c/cq.c). A CQ belongs to one endpoint.
- * Operations posted with mrc_post() and a cq complete there with the post's
- * 64-bit ctx; immediates of a connection bound with mrc_conn_set_cq() arrive
- * there as MRC_WC_IMM entries instead of on mrc_conn_wait_imm(). Only waiters
- * of this CQ are woken by its completions. mrc_cq_fd() is readable (an eventfd)
- * while completions wait, so a CQ can join epoll/selectors/asyncio. */
+ * (src_c/cq.c) A CQ belongs to one endpoint. Operations posted with mrc_post()
+ * and a cq complete there, in completion order, with the post's 64-bit ctx;
+ * immediates of a connection bound with mrc_conn_set_cq() arrive there as
+ * MRC_WC_IMM entries instead of on mrc_conn_wait_imm(). Only waiters of this
+ * CQ are woken by its completions. mrc_cq_fd() is readable (an eventfd) while
+ * completions wait, so a CQ can join epoll/selectors/asyncio; do not read it
+ * yourself: the poll that empties the CQ resets it. The queue needs no memory
+ * of its own (an op's entry lives in the op) and never drops a completion. */
 typedef struct mrc_cq mrc_cq;
 
 enum mrc_wc_kind { MRC_WC_WRITE = 1, MRC_WC_SEND = 2, MRC_WC_RECV = 3, MRC_WC_IMM = 4 };
@@ -187,15 +189,24 @@ struct mrc_wc {
 };
 
 int mrc_cq_create(mrc_ep *ep, mrc_cq **out);
-/* MRC_EBUSY while operations posted to it are pending or connections bound to it
- * live. mrc_ep_destroy frees CQs left open. */
+/* MRC_EBUSY while operations posted to it are pending, connections bound to it
+ * live or a thread waits in mrc_cq_wait; entries not yet polled are dropped.
+ * mrc_ep_destroy frees CQs left open, after the endpoint's pending ops have
+ * completed into them with MRC_ECLOSED and threads in mrc_cq_wait returned. */
 int mrc_cq_destroy(mrc_cq *cq);
+/* Shuts the CQ down without freeing it: threads in mrc_cq_wait return, and
+ * from now on mrc_cq_wait returns MRC_ECLOSED once it is empty and mrc_post to
+ * it fails with MRC_ECLOSED (ops already posted still complete into it).
+ * Bindings call it before freeing the endpoint, so that no thread is left
+ * about to wait on a CQ that goes. */
+void mrc_cq_shutdown(mrc_cq *cq);
 int mrc_cq_fd(const mrc_cq *cq);
 /* Up to max completions, never blocks: returns how many (>= 0) or a negative code. */
 int mrc_cq_poll(mrc_cq *cq, struct mrc_wc *wc, int max);
 /* Like poll, but blocks until at least one (returns n > 0) or -ETIMEDOUT;
- * timeout_ms < 0 waits forever. */
+ * timeout_ms < 0 waits forever. MRC_ECLOSED once the endpoint is being destroyed. */
 int mrc_cq_wait(mrc_cq *cq, struct mrc_wc *wc, int max, int timeout_ms);
+/* cq NULL unbinds. Immediates already waiting for mrc_conn_wait_imm move to cq. */
 int mrc_conn_set_cq(mrc_conn *c, mrc_cq *cq, uint64_t ctx);
 
 /* One work request: the general form of mrc_post_write/send/recv. */
@@ -210,8 +221,120 @@ struct mrc_wr {
     mrc_cq *cq;                /* NULL: complete only on the op handle */
     uint64_t ctx;              /* returned in the mrc_wc */
 };
-/* out may be NULL when wr->cq is set: the completion is then seen only on the CQ. */
+/* out may be NULL when wr->cq is set: the completion is then seen only on the CQ
+ * and the op is freed once polled. mrc_post_write/send/recv are this with no CQ
+ * (their out must not be NULL). */
 int mrc_post(mrc_conn *c, const struct mrc_wr *wr, mrc_op **out);
+
+/* ---- collectives: reductions (reduce.c) ----------------------------------
+ * acc[i] = acc[i] op src[i]. float16/bfloat16 (IEEE binary16 / the top half
+ * of a float32, as uint16 bit patterns) are widened to float32, combined and
+ * rounded to nearest-even at every call, so a fixed order of calls gives the
+ * same bits everywhere. Integers wrap. AVG combines as SUM; after the last
+ * source, mrc_reduce_finish() divides by n once (integers truncate toward 0). */
+enum mrc_dtype {
+    MRC_INT8 = 0, MRC_UINT8, MRC_INT32, MRC_INT64,
+    MRC_FLOAT16, MRC_BFLOAT16, MRC_FLOAT32, MRC_FLOAT64,
+    MRC_NDTYPES
+};
+enum mrc_redop { MRC_SUM = 0, MRC_PROD, MRC_MIN, MRC_MAX, MRC_AVG, MRC_NREDOPS };
+
+size_t mrc_dtype_size(int dtype);     /* 0: unknown dtype */
+const char *mrc_dtype_str(int dtype);
+const char *mrc_redop_str(int op);
+/* acc and src must not overlap. */
+int mrc_reduce(void *acc, const void *src, size_t count, int dtype, int op);
+int mrc_reduce_finish(void *acc, size_t count, int dtype, int op, int n);
+
+/* ---- collectives: the schedule executor (coll.c) --------------------------
+ * A schedule is one rank's list of steps; the planner (mrc/collectives/
+ * schedule.py) builds it, this executor runs any schedule. Each step covers a
+ * whole byte range; the executor cuts it into chunks of chunk_bytes and
+ * pipelines them: chunk i of a step waits for chunk i of each step it depends
+ * on (or for the whole step, when the two have different chunk counts).
+ *
+ * Buffers: MRC_BUF_SEND and MRC_BUF_RECV are the caller's (they may be the
+ * same memory: in place); MRC_BUF_SCRATCH refs name a ring (ref.off = ring
+ * index) of `slots` chunk-sized slots owned by the executor: chunk i of a
+ * step lives in slot i % slots, and the ring's producer waits for chunk
+ * i - slots to be consumed by every step reading it. So extra memory is
+ * nrings * slots * chunk_bytes, whatever the message size.
+ *
+ * Messages: the SEND/RECV steps between two ranks are matched in order of
+ * pair_seq (0, 1, ... in each direction) and chunk; each message's tag
+ * carries the call's signature, the pair's sequence number of collectives,
+ * pair_seq and the chunk, and every received tag and length is checked:
+ * ranks called with different arguments fail with MRC_EMISMATCH. */
+enum mrc_step_kind {
+    MRC_STEP_SEND = 1,   /* src ref -> peer */
+    MRC_STEP_RECV = 2,   /* peer -> dst ref */
+    MRC_STEP_REDUCE = 3, /* dst = srcs[0] op srcs[1] op ... (this order, always) */
+    MRC_STEP_COPY = 4,   /* dst = srcs[0] */
+};
+enum mrc_buf { MRC_BUF_SEND = 0, MRC_BUF_RECV = 1, MRC_BUF_SCRATCH = 2 };
+
+struct mrc_coll_ref {
+    uint32_t buf;        /* enum mrc_buf */
+    uint32_t pad;
+    uint64_t off;        /* byte offset; MRC_BUF_SCRATCH: ring index */
+};
+
+struct mrc_coll_step {
+    uint32_t kind;       /* enum mrc_step_kind */
+    int32_t peer;        /* SEND/RECV: rank */
+    uint32_t pair_seq;   /* SEND/RECV: order among this pair's steps, per direction */
+    uint32_t flags;      /* MRC_STEP_FINISH: REDUCE ends with mrc_reduce_finish */
+    uint64_t len;        /* bytes (a multiple of the element size) */
+    uint32_t src, nsrc;  /* refs[src .. src+nsrc): SEND 1, COPY 1, REDUCE >= 1 */
+    uint32_t dst;        /* refs[dst]: RECV, REDUCE, COPY */
+    uint32_t dep, ndeps; /* deps[dep .. dep+ndeps): indices of earlier steps */
+    uint32_t pad;
+};
+#define MRC_STEP_FINISH 0x1
+
+struct mrc_coll_plan {
+    const struct mrc_coll_step *steps;
+    uint32_t nsteps;
+    uint32_t nrings;
+    const struct mrc_coll_ref *refs;
+    uint32_t nrefs;
+    const uint32_t *deps;
+    uint32_t ndeps;
+};
+
+struct mrc_coll_args {
+    void *send;          /* may equal recv; NULL when empty */
+    uint64_t send_len;
+    void *recv;
+    uint64_t recv_len;
+    int dtype, op;       /* enum mrc_dtype, mrc_redop (op: REDUCE steps only) */
+    uint32_t sig;        /* signature of the call: equal on every rank (19 bits used) */
+    int timeout_ms;      /* fail with MRC_ETIMEOUT after this long without progress */
+};
+
+struct mrc_coll_config {
+    int rank, nranks;
+    mrc_conn *const *peers; /* nranks entries, NULL at rank */
+    uint64_t chunk_bytes;   /* 0: 256 KiB; a multiple of 8 */
+    int slots;              /* scratch slots per ring; 0: 4 */
+    int window;             /* chunks in flight per peer and direction; 0: slots */
+};
+
+typedef struct mrc_coll mrc_coll;
+int mrc_coll_create(mrc_ep *ep, const struct mrc_coll_config *cfg, mrc_coll **out);
+/* Runs the plan to completion on the calling thread. 0, or a negative code;
+ * *failed_peer names the rank involved (-1: none). After a failure,
+ * operations may still be pending: close the connections (their operations
+ * then fail) and call mrc_coll_drain() before touching the buffers. */
+int mrc_coll_run(mrc_coll *c, const struct mrc_coll_plan *plan, const struct mrc_coll_args *a,
+                 int *failed_peer);
+/* Any thread: the running (and every later) mrc_coll_run returns MRC_EABORT. */
+void mrc_coll_abort(mrc_coll *c);
+/* Waits until no operation of a failed run is pending (0), or -ETIMEDOUT. */
+int mrc_coll_drain(mrc_coll *c, int timeout_ms);
+/* Scratch bytes currently held (for memory accounting). */
+uint64_t mrc_coll_scratch_bytes(const mrc_coll *c);
+void mrc_coll_destroy(mrc_coll *c);
 
 /* ---- telemetry ----------------------------------------------------------- */
 
