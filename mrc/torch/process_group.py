@@ -172,7 +172,12 @@ class ProcessGroupMRC(dist.ProcessGroup):
     ) -> Work:
         """Issue calls (each returns a communicator Work) and hand them to the completer."""
         seq = next(self._seq)
-        work = Work(f"{what} #{seq} on rank {self._rank}", outputs, self._timeout)
+        desc = ", ".join(
+            f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in outputs[:2]
+        )
+        more = f" +{len(outputs) - 2}" if len(outputs) > 2 else ""
+        tensors = f" of tensor {desc}{more}" if outputs else ""
+        work = Work(f"{what}{tensors} #{seq} on rank {self._rank}", outputs, self._timeout)
         with self._lock:
             if self._closed or self._aborted is not None:
                 raise MrcBackendError(
