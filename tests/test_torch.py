@@ -47,7 +47,7 @@ def run_ranks(
     init = f"file://{tmp}/init"
     procs = []
     for r in range(size):
-        env = _env(RANK=str(r), WORLD_SIZE=str(size), MRC_TEST_INIT=init, **extra)
+        env = _env(**{"RANK": str(r), "WORLD_SIZE": str(size), "MRC_TEST_INIT": init, **extra})
         log = open(tmp / f"log{r}", "w")  # noqa: SIM115 - closed below
         procs.append(
             (
@@ -88,6 +88,20 @@ def test_collectives_match_rank_order_and_gloo(size: int, tmp_path: Path) -> Non
 def test_fsdp_matches_gloo(tmp_path: Path) -> None:
     reports = run_ranks("fsdp", 2, tmp_path)
     assert reports[0]["sha"] == reports[1]["sha"]  # every rank the same full parameters
+
+
+def test_tcp_init_explicit_store_timeout_and_abort(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a free port for the tcp:// store (rank 0 listens on it)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    reports = run_ranks("lifecycle", 2, tmp_path, MRC_TEST_INIT=f"tcp://127.0.0.1:{port}")
+    rep = reports[0]
+    assert rep["tcp"] == rep["store"] == [3.0] * 4, rep
+    assert "no error" not in rep["timeout"] and 2.5 < rep["timeout_secs"] < 10, rep
+    assert "no error" not in rep["abort"] and rep["abort_secs"] < 5, rep
+    assert reports[1]["tcp"] == [3.0] * 4
 
 
 def test_bad_input_raises_before_sending(tmp_path: Path) -> None:

@@ -412,6 +412,48 @@ def scenario_die(out: Path) -> dict:
     raise AssertionError(f"rank {RANK}: all_reduce kept succeeding with a dead peer")
 
 
+def scenario_lifecycle(out: Path) -> dict:
+    """tcp:// (main()), then destroy and init again with an explicit store; a call no
+    peer joins fails at the group's timeout; abort() fails pending work at once."""
+    res: dict = {}
+    t = torch.full((4,), float(RANK + 1))
+    dist.all_reduce(t)
+    res["tcp"] = t.tolist()
+    dist.destroy_process_group()
+    store = dist.FileStore(str(out / "store"), SIZE)
+    dist.init_process_group("mrc", store=store, rank=RANK, world_size=SIZE)
+    t = torch.full((4,), float(RANK + 1))
+    dist.all_reduce(t)
+    res["store"] = t.tolist()
+    # a group with a 3 s timeout; rank 0 calls all_reduce on it, rank 1 does not
+    g = dist.new_group(backend="mrc", timeout=timedelta(seconds=3))
+    if RANK == 0:
+        start = time.monotonic()
+        w = dist.all_reduce(torch.ones(3), group=g, async_op=True)
+        try:
+            w.wait()
+            res["timeout"] = "no error"
+        except Exception as e:  # noqa: BLE001 - the message is what is checked
+            res["timeout"] = f"{type(e).__name__}: {e}"
+        res["timeout_secs"] = time.monotonic() - start
+        # abort from another thread fails a pending call at once
+        import threading
+
+        w = dist.all_reduce(torch.ones(3), async_op=True)
+        start = time.monotonic()
+        threading.Thread(target=dist.group.WORLD.abort).start()
+        try:
+            w.wait()
+            res["abort"] = "no error"
+        except Exception as e:  # noqa: BLE001
+            res["abort"] = f"{type(e).__name__}: {e}"
+        res["abort_secs"] = time.monotonic() - start
+        store.set("rank0_done", "1")
+    else:
+        store.wait(["rank0_done"], timedelta(seconds=60))  # the peer that never joins
+    return res
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     timeout = float(os.environ.get("MRC_TEST_TIMEOUT", "30"))
@@ -424,7 +466,7 @@ def main() -> None:
     )
     result = globals()[f"scenario_{scenario}"](out)
     (out / f"rank{RANK}.json").write_text(json.dumps(result))
-    if scenario in ("die", "mismatch"):
+    if scenario in ("die", "mismatch", "lifecycle"):
         os._exit(0)  # the group is broken; do not wait on its shutdown
     dist.destroy_process_group()
 
