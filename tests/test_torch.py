@@ -235,3 +235,57 @@ def test_ddp_on_the_fabric_with_a_pulled_cable_is_bit_identical(tmp_path: Path) 
         assert fab.failed, "the link was not failed"
     assert healthy["loss_bits"] == failed["loss_bits"]
     assert healthy["sha256"] == failed["sha256"]
+
+
+def test_contiguous_tensors_are_not_copied() -> None:
+    """The numpy arrays handed to the communicator are the tensors' own memory."""
+    import torch
+
+    from mrc.torch._tensors import Staged, byte_view, flat_view
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        t = torch.zeros((3, 5), dtype=dtype)
+        st = Staged()
+        assert st.output(t) is t and st.input(t) is t
+        assert flat_view(t).ctypes.data == t.data_ptr() == byte_view(t).ctypes.data
+        assert flat_view(t).nbytes == t.numel() * t.element_size()
+    # a strided output goes through a contiguous copy that lands back in it at the end
+    wide = torch.zeros((4, 2))
+    col = wide[:, 0]
+    st = Staged()
+    c = st.output(col)
+    assert c is not col and c.is_contiguous()
+    c.fill_(7.0)
+    st.finish()
+    assert wide[:, 0].tolist() == [7.0] * 4 and wide[:, 1].tolist() == [0.0] * 4
+
+
+def test_one_rank_group_in_process(tmp_path: Path) -> None:
+    """A group of one: every call completes locally, in this process."""
+    import torch
+    import torch.distributed as dist
+
+    import mrc.torch
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("mrc", store=store, rank=0, world_size=1)
+    try:
+        assert isinstance(dist.group.WORLD, mrc.torch.ProcessGroupMRC)
+        t = torch.arange(5, dtype=torch.float32)
+        dist.all_reduce(t)
+        assert t.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+        o = torch.empty(5)
+        dist.all_gather_into_tensor(o, t)
+        assert torch.equal(o, t)
+        dist.reduce_scatter_tensor(o, t * 2)
+        assert torch.equal(o, t * 2)
+        a = torch.empty(5)
+        dist.all_to_all_single(a, t)
+        assert torch.equal(a, t)
+        dist.broadcast(t, 0)
+        dist.barrier()
+        w = dist.all_reduce(t, async_op=True)
+        assert w.get_future().wait()[0] is t and w.is_completed()
+        assert mrc.torch.communicator().size == 1
+    finally:
+        dist.destroy_process_group()
