@@ -4,8 +4,11 @@
 
 Four ranks, one per fabric host namespace. Cases, each a fresh fabric:
   healthy          every link up
-  failed-before    host h1's plane-0 link is down before the run starts
-  failed-during    that link goes down when rank 0 reports step `--fail-at`
+  failed-before    host h1's plane-1 link is down before the run starts (not plane 0: the
+                   communicator's rendezvous and failure detector run over TCP to rank
+                   0's plane-0 address, so a rank without plane 0 cannot join)
+  failed-during    h1's plane-0 link goes down when rank 0 reports step `--fail-at` (the
+                   failure detector's TCP connection rides it out for MRC_TIMEOUT seconds)
 Gloo runs over TCP on plane 0 only (GLOO_SOCKET_IFNAME = each host's plane-0 interface),
 so a failed plane-0 link cuts it: its outcome is recorded as it is (error or timeout). mrc
 sprays every plane and rides out the failure. Per case: the median step time, the median
@@ -34,7 +37,8 @@ from mrc.fabric.testing import RunningFabric, fabric_up
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "ddp_train.py"
-FAIL_HOST, FAIL_PLANE = "h1", 0
+FAIL_HOST = "h1"
+FAIL_PLANE = {"failed-before": 1, "failed-during": 0}
 
 
 def launch(
@@ -75,7 +79,7 @@ def launch(
         assert procs[0].stdout is not None
         for line in procs[0].stdout:
             if fail_at is not None and not failed_at and line.startswith(f"step {fail_at} "):
-                fab.fail(fab.fabric.host_link(FAIL_HOST, FAIL_PLANE).name)
+                fab.fail(fab.fabric.host_link(FAIL_HOST, FAIL_PLANE["failed-during"]).name)
                 failed_at.append(time.monotonic())
 
     t = threading.Thread(target=watch_rank0, daemon=True)
@@ -93,7 +97,9 @@ def launch(
             p.wait()
     res: dict[str, Any] = {"backend": backend, "exit": codes, "wall_s": time.monotonic() - start}
     js = out / f"{backend}.json"
-    if all(c == 0 for c in codes) and js.exists():
+    if codes[0] is not None and codes[0] != 0:
+        res["outcome"] = f"failed (exit codes {codes})"
+    elif js.exists():  # rank 0 finished training (its exit may still have hung)
         d = json.loads(js.read_text())
         res["step_ms_median"] = 1e3 * statistics.median(d["step_s"][5:])
         res["comm_ms_median"] = 1e3 * statistics.median(d["comm_s"][5:])
@@ -102,6 +108,8 @@ def launch(
         res["loss_sha256"] = hashlib.sha256(json.dumps(d["loss_bits"]).encode()).hexdigest()
         res["step_s"] = d["step_s"]
         js.unlink()
+        if any(c != 0 for c in codes):
+            res["outcome"] = f"trained, but exit codes {codes} (None: killed at the time limit)"
     else:
         res["outcome"] = "timed out" if None in codes else f"failed (exit codes {codes})"
     return res
@@ -124,7 +132,7 @@ def main() -> None:
         for backend in args.backends.split(","):
             with fabric_up(args.fabric, prefix=f"bdd{os.getpid() % 1000}") as fab:
                 if case == "failed-before":
-                    fab.fail(fab.fabric.host_link(FAIL_HOST, FAIL_PLANE).name)
+                    fab.fail(fab.fabric.host_link(FAIL_HOST, FAIL_PLANE[case]).name)
                 fail_at = args.fail_at if case == "failed-during" else None
                 r = launch(
                     fab, backend, args.steps, out, 3 * args.timeout + 120, fail_at, args.timeout

@@ -196,8 +196,10 @@ def _fabric_train(fab: object, steps: int, fail_at: int | None, tmp: Path, name:
         fab.file,  # type: ignore[attr-defined]
         "--name",
         fab.prefix,  # type: ignore[attr-defined]
+        # the failure detector's TCP connection crosses the pulled plane-0 cable too: it
+        # must outlast the rest of the run on a loaded machine
         "--timeout",
-        "30",
+        "120",
         "--",
         sys.executable,
         str(EXAMPLE),
