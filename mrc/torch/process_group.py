@@ -184,10 +184,19 @@ class ProcessGroupMRC(dist.ProcessGroup):
                     f"mrc backend rank {self._rank}: {what}: the process group is "
                     f"{'shut down' if self._closed else 'aborted: ' + str(self._aborted)}"
                 )
-            handles = [c() for c in calls]
-            self._pending.put(
-                _Pending(work, handles, staged, time.monotonic() + self._timeout, after)
-            )
+            deadline = time.monotonic() + self._timeout
+            handles: list[Any] = []
+            try:
+                for c in calls:
+                    handles.append(c())
+            except BaseException as e:
+                if handles:
+                    # a coalesced call half issued: the issued part keeps its tensors
+                    # (the completer holds them) until the executor is done with them
+                    held = Work(work.what, [], self._timeout)
+                    self._pending.put(_Pending(held, handles, staged, deadline))
+                raise _wrap(e, work.what) from e
+            self._pending.put(_Pending(work, handles, staged, deadline, after))
         return work
 
     def _complete_loop(self) -> None:
