@@ -7,7 +7,7 @@ cimport cython
 from libc.errno cimport ETIMEDOUT
 from libc.stdint cimport uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memset, strncpy
+from libc.string cimport memcpy, memset, strncpy
 
 cimport mrc._mrc as c
 
@@ -276,7 +276,9 @@ cdef class Endpoint:
                 "acks_rx": st.acks_rx, "lost_rack": st.lost_rack, "lost_rto": st.lost_rto,
                 "lost_flush": st.lost_flush, "probe_timeouts": st.probe_timeouts,
                 "link_events": st.link_events,
-                "loop_iters": st.loop_iters, "conns": st.nconns,
+                "loop_iters": st.loop_iters, "rx_reads": st.rx_reads,
+                "rx_gro_reads": st.rx_gro_reads, "tx_sends": st.tx_sends,
+                "conns": st.nconns, "sockets": st.nsocks,
                 "drops": {c.mrc_drop_str(i).decode(): st.drops[i]
                           for i in range(1, c.MRC_DROP_MAX)},
                 "paths": paths,
@@ -783,6 +785,7 @@ cdef class CompletionQueue:
     cdef int _busy     # threads in wait() (the GIL released)
     cdef object _dtype
     cdef object _empty
+    cdef object _none  # the read-only 0-row array returned when nothing is there
 
     def __cinit__(self):
         self.cq = NULL
@@ -796,6 +799,8 @@ cdef class CompletionQueue:
         import numpy as np
 
         self._empty = np.empty
+        self._none = np.empty(0, self._dtype)
+        self._none.flags.writeable = False
         check(c.mrc_cq_create(e, &self.cq), "Failed to create a completion queue")
         self.endpoint = endpoint
         endpoint._children.add(self)
@@ -816,30 +821,41 @@ cdef class CompletionQueue:
         if max < 1:
             raise errors.UsageError(f"max must be >= 1 completion, got {max}")
         cdef c.mrc_cq *q = self._ptr()
-        arr = self._empty(max, self._dtype)
-        cdef Py_buffer view
-        PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE)
-        cdef c.mrc_wc *wc = <c.mrc_wc *>view.buf
+        cdef c.mrc_wc small[64]
+        cdef c.mrc_wc *wc = small
         cdef int n
-        if block:
-            self._busy += 1
-            with nogil:
-                n = c.mrc_cq_wait(q, wc, max, timeout_ms)
-            self._busy -= 1
-        else:
-            n = c.mrc_cq_poll(q, wc, max)
-        PyBuffer_Release(&view)
-        if n == -ETIMEDOUT:
-            return arr[:0]
-        if n == c.MRC_ECLOSED:
-            raise errors.ConnectionClosedError(
-                "completion queue shut down: its endpoint is closing")
-        if n < 0:
-            raise error_for(n, "Failed to read completions")
-        return arr[:n]
+        cdef Py_buffer view
+        if max > 64:
+            wc = <c.mrc_wc *>malloc(max * sizeof(c.mrc_wc))
+            if wc == NULL:
+                raise MemoryError()
+        try:
+            if block:
+                self._busy += 1
+                with nogil:
+                    n = c.mrc_cq_wait(q, wc, max, timeout_ms)
+                self._busy -= 1
+            else:
+                n = c.mrc_cq_poll(q, wc, max)
+            if n == -ETIMEDOUT or n == 0:
+                return self._none  # no array to allocate: polling an empty queue is cheap
+            if n == c.MRC_ECLOSED:
+                raise errors.ConnectionClosedError(
+                    "completion queue shut down: its endpoint is closing")
+            if n < 0:
+                raise error_for(n, "Failed to read completions")
+            arr = self._empty(n, self._dtype)
+            PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE)
+            memcpy(view.buf, wc, n * sizeof(c.mrc_wc))
+            PyBuffer_Release(&view)
+            return arr
+        finally:
+            if wc != small:
+                free(wc)
 
     def poll(self, int max=64):
-        """Up to `max` completions waiting now (never blocks), as an array."""
+        """Up to `max` completions waiting now (never blocks), as an array (a new
+        one per batch; with none waiting, one shared read-only empty array)."""
         return self._fill(max, 0, False)
 
     def wait(self, timeout=None, int max=64):

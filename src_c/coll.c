@@ -11,7 +11,7 @@
  * schedule's source order: the result never depends on arrival order.
  *
  * Matching: the messages of one direction of a pair are posted in one order
- * (steps by pair_seq, chunks in order) on both sides, and received with
+ * on both sides (chunks by chunk index + step lag, then pair_seq), and received with
  * MRC_TAG_ANY, so the n-th RECV takes the n-th SEND whatever its tag; the
  * tag then says whether the sender ran the same call (signature), the same
  * collective (the pair's sequence number) and the same step and chunk. A
@@ -35,6 +35,10 @@
 #define DEFAULT_SLOTS 4
 #define WAIT_SLICE_MS 10 /* how often a waiting run looks at the abort flag */
 #define WC_BATCH 64
+/* Calls whose buffers fit go through a region registered once: registering
+ * the caller's buffers costs four round trips to the progress thread, which
+ * is most of a small collective's latency. */
+#define BOUNCE_BYTES (256u << 10)
 
 struct mrc_coll {
     mrc_ep *ep;
@@ -51,7 +55,11 @@ struct mrc_coll {
     uint8_t *tmp;           /* one chunk: REDUCE whose destination is also a source */
     /* left by a failed run until mrc_coll_drain */
     int pending;            /* posted operations not yet completed */
-    mrc_mr *user_mr[2];
+    mrc_mr *user_mr[2];     /* regions of the send and recv buffers */
+    uint64_t mr_base[2];    /* where each buffer starts in its region */
+    bool bounced;           /* this run's buffers are copies in bounce */
+    uint8_t *bounce;        /* BOUNCE_BYTES, registered as bounce_mr */
+    mrc_mr *bounce_mr;
 };
 
 /* Per run: state of each step. */
@@ -77,7 +85,7 @@ struct run {
     uint8_t *done_pool;
     /* per peer and direction (0 send, 1 recv): its steps in pair_seq order */
     uint32_t **list;
-    uint32_t *nlist, *cursor, *inflight;
+    uint32_t *nlist, *inflight;
     uint8_t *bufs[2];
     uint64_t buf_len[2];
     size_t esize;
@@ -147,6 +155,11 @@ uint64_t mrc_coll_scratch_bytes(const mrc_coll *c) { return c->scratch_len; }
 
 static void release_user_mrs(mrc_coll *c)
 {
+    if (c->bounced) {
+        c->bounced = false;
+        c->user_mr[0] = c->user_mr[1] = NULL;
+        return;
+    }
     if (c->user_mr[1] && c->user_mr[1] != c->user_mr[0])
         mrc_mr_dereg(c->user_mr[1]);
     if (c->user_mr[0])
@@ -165,6 +178,9 @@ void mrc_coll_destroy(mrc_coll *c)
         if (c->scratch_mr)
             mrc_mr_dereg(c->scratch_mr);
         free(c->scratch);
+        if (c->bounce_mr)
+            mrc_mr_dereg(c->bounce_mr);
+        free(c->bounce);
         mrc_cq_destroy(c->cq);
     }
     free(c->tmp);
@@ -362,7 +378,7 @@ static uint8_t *ref_chunk(const struct run *r, const struct mrc_coll_ref *f, uin
     }
     off = f->off + (uint64_t)i * c->chunk;
     if (mr)
-        *mr = c->user_mr[f->buf], *loff = off;
+        *mr = c->user_mr[f->buf], *loff = c->mr_base[f->buf] + off;
     return r->bufs[f->buf] ? r->bufs[f->buf] + off : NULL;
 }
 
@@ -473,6 +489,32 @@ static int post_chunk(struct run *r, uint32_t s, uint32_t i)
     return 0;
 }
 
+/* The step whose next chunk is the next message of queue q (a peer and
+ * direction): chunk i of a step is message key i + lag, ties to the lower
+ * pair_seq; both ends compute the same order from the same steps. Lag lets a
+ * later phase interleave with an earlier one (all-gather chunk i after
+ * reduce-scatter chunk i + lag) instead of waiting for all of it, so its
+ * RECVs are posted before its data arrives and nothing is staged. Every
+ * message depends only on messages of lower keys, so the order cannot
+ * deadlock. */
+static int next_message(const struct run *r, int q)
+{
+    int best = -1;
+    uint64_t best_key = UINT64_MAX;
+    for (uint32_t k = 0; k < r->nlist[q]; k++) {
+        uint32_t s = r->list[q][k];
+        const struct step_rt *st = &r->st[s];
+        if (st->next >= st->nchunks)
+            continue;
+        uint64_t key = (uint64_t)st->next + r->p->steps[s].lag;
+        if (key < best_key) {
+            best_key = key;
+            best = (int)s;
+        }
+    }
+    return best;
+}
+
 /* Starts every chunk that can start: local steps run now, transfers are
  * posted in pair order up to the window. Returns how many started, or an
  * error (r->rc set). */
@@ -496,13 +538,12 @@ static int issue(struct run *r)
         }
     }
     for (int q = 0; q < 2 * r->c->nranks; q++) {
-        while (r->cursor[q] < r->nlist[q] && (int)r->inflight[q] < r->c->window) {
-            uint32_t s = r->list[q][r->cursor[q]];
+        while ((int)r->inflight[q] < r->c->window) {
+            int sn = next_message(r, q);
+            if (sn < 0)
+                break;
+            uint32_t s = (uint32_t)sn;
             struct step_rt *st = &r->st[s];
-            if (st->next == st->nchunks) {
-                r->cursor[q]++;
-                continue;
-            }
             if (!ready(r, s, st->next))
                 break;
             int rc = post_chunk(r, s, st->next);
@@ -642,9 +683,8 @@ static int run_alloc(struct run *r)
     r->rings = calloc(p->nrings ? p->nrings : 1, sizeof(*r->rings));
     r->list = calloc((size_t)nq, sizeof(*r->list));
     r->nlist = calloc((size_t)nq, sizeof(uint32_t));
-    r->cursor = calloc((size_t)nq, sizeof(uint32_t));
     r->inflight = calloc((size_t)nq, sizeof(uint32_t));
-    if (!r->st || !r->rings || !r->list || !r->nlist || !r->cursor || !r->inflight)
+    if (!r->st || !r->rings || !r->list || !r->nlist || !r->inflight)
         return -ENOMEM;
     for (int q = 0; q < nq; q++)
         if (!(r->list[q] = calloc(p->nsteps ? p->nsteps : 1, sizeof(uint32_t))))
@@ -675,7 +715,6 @@ static void run_free(struct run *r)
             free(r->list[q]);
     free(r->list);
     free(r->nlist);
-    free(r->cursor);
     free(r->inflight);
     free(r->st);
     free(r->rings);
@@ -683,9 +722,45 @@ static void run_free(struct run *r)
     free(r->done_pool);
 }
 
-static int register_user(mrc_coll *c, const struct mrc_coll_args *a)
+/* Small calls: copies of the buffers in the bounce region (recv too, so that
+ * bytes the schedule does not write come back unchanged). */
+static int bounce_in(mrc_coll *c, struct run *r, const struct mrc_coll_args *a)
 {
-    int rc = mrc_mr_reg(c->ep, a->send, a->send_len, 0, &c->user_mr[0]);
+    bool same = a->recv == a->send && a->recv_len == a->send_len;
+    uint64_t roff = same ? 0 : (a->send_len + 63) & ~(uint64_t)63;
+    if (roff + (same ? a->send_len : a->recv_len) > BOUNCE_BYTES)
+        return 1;
+    if (!c->bounce) {
+        c->bounce = aligned_alloc(64, BOUNCE_BYTES);
+        if (!c->bounce)
+            return -ENOMEM;
+        int rc = mrc_mr_reg(c->ep, c->bounce, BOUNCE_BYTES, 0, &c->bounce_mr);
+        if (rc) {
+            free(c->bounce);
+            c->bounce = NULL;
+            return rc;
+        }
+    }
+    if (a->send_len)
+        memcpy(c->bounce, a->send, a->send_len);
+    if (!same && a->recv_len)
+        memcpy(c->bounce + roff, a->recv, a->recv_len);
+    r->bufs[0] = c->bounce;
+    r->bufs[1] = c->bounce + roff;
+    c->user_mr[0] = c->user_mr[1] = c->bounce_mr;
+    c->mr_base[0] = 0;
+    c->mr_base[1] = roff;
+    c->bounced = true;
+    return 0;
+}
+
+static int register_user(mrc_coll *c, struct run *r, const struct mrc_coll_args *a)
+{
+    int rc = bounce_in(c, r, a);
+    if (rc <= 0)
+        return rc;
+    c->mr_base[0] = c->mr_base[1] = 0;
+    rc = mrc_mr_reg(c->ep, a->send, a->send_len, 0, &c->user_mr[0]);
     if (rc)
         return rc;
     if (a->recv == a->send && a->recv_len == a->send_len) {
@@ -731,7 +806,7 @@ int mrc_coll_run(mrc_coll *c, const struct mrc_coll_plan *p, const struct mrc_co
     if (!rc)
         rc = scratch_reserve(c, (uint64_t)p->nrings * (uint64_t)c->slots * c->chunk);
     if (!rc)
-        rc = register_user(c, a);
+        rc = register_user(c, &r, a);
     if (rc) {
         run_free(&r);
         return rc;
@@ -740,6 +815,8 @@ int mrc_coll_run(mrc_coll *c, const struct mrc_coll_plan *p, const struct mrc_co
     if (rc == MRC_EMISMATCH)
         flush_sends(&r);
     *failed_peer = r.failed_peer;
+    if (!rc && c->bounced && a->recv_len)
+        memcpy(a->recv, r.bufs[1], a->recv_len);
     if (!rc) {
         for (int peer = 0; peer < c->nranks; peer++)
             if (r.nlist[2 * peer] || r.nlist[2 * peer + 1])

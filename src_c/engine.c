@@ -144,6 +144,7 @@ static void stats_pt(mrc_ep *ep, struct ctl *x)
     struct mrc_ep_stats *st = x->arg;
     struct mrc_path_stats *ps = x->arg2;
     *st = ep->st;
+    st->nsocks = ep->nsocks;
     st->nconns = 0;
     st->staged_bytes = 0;
     st->npaths = 0;
@@ -262,6 +263,8 @@ static bool engine_drain(mrc_ep *ep)
  * ep->timed. Packets in flight (RTOs), ops queued (progress timeout, RNR
  * back-off) and paths not good (probes) tick every MRC_TIMER_NS; a connection
  * only waiting on posted RECVs needs its keepalives, MRC_KEEPALIVE_NS apart. */
+#define MRC_KEEPALIVE_GRID_NS 10000000ull
+
 static uint64_t conn_next_timer_pt(const mrc_conn *c, uint64_t now)
 {
     uint64_t tick = now + MRC_TIMER_NS;
@@ -280,6 +283,10 @@ static uint64_t conn_next_timer_pt(const mrc_conn *c, uint64_t now)
             due = d < due ? d : due;
         }
     }
+    /* Keepalives are rounded up to a common grid: those of many waiting
+     * connections fall due together, one wake-up for all of them. */
+    if (due != UINT64_MAX)
+        due = (due + MRC_KEEPALIVE_GRID_NS - 1) / MRC_KEEPALIVE_GRID_NS * MRC_KEEPALIVE_GRID_NS;
     return due;
 }
 
@@ -397,7 +404,9 @@ void *engine_main(void *arg)
             link_poll_pt(ep); /* a busy loop may not sleep to see netlink wake it */
             engine_timers(ep, now);
         }
-        for (mrc_conn *c = ep->active; c; c = c->next_active)
+        /* Only connections with timers can have something to send: data to
+         * send means ops queued, retransmissions mean packets in flight. */
+        for (mrc_conn *c = ep->timed; c; c = c->next_timed)
             if (tx_run_pt(c))
                 ep->work = true;
         sock_flush_all_pt(ep);

@@ -171,10 +171,11 @@ int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out)
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&ep->cv, &ca);
+    for (int i = 0; i < MRC_OP_CVS; i++)
+        pthread_cond_init(&ep->op_cv[i], &ca);
     pthread_condattr_destroy(&ca);
 
-    ep->rx_slot = (uint32_t)((MRC_DATA_HDR_LEN + ep->cfg.mss + 64 + 63) & ~63u);
-    ep->rxbuf = aligned_alloc(64, (size_t)MRC_BATCH * ep->rx_slot);
+    ep->rxbuf = aligned_alloc(64, (size_t)(MRC_BATCH + 1) * MRC_RX_SLOT);
     ep->epfd = epoll_create1(EPOLL_CLOEXEC);
     ep->evfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (!ep->rxbuf || ep->epfd < 0 || ep->evfd < 0) {
@@ -217,6 +218,8 @@ err_free:
     free(ep->rxbuf);
     pthread_mutex_destroy(&ep->lock);
     pthread_cond_destroy(&ep->cv);
+    for (int i = 0; i < MRC_OP_CVS; i++)
+        pthread_cond_destroy(&ep->op_cv[i]);
     free(ep);
     return rc;
 }
@@ -254,6 +257,8 @@ void mrc_ep_destroy(mrc_ep *ep)
     free(ep->rxbuf);
     pthread_mutex_destroy(&ep->lock);
     pthread_cond_destroy(&ep->cv);
+    for (int i = 0; i < MRC_OP_CVS; i++)
+        pthread_cond_destroy(&ep->op_cv[i]);
     free(ep);
 }
 
@@ -488,9 +493,10 @@ static void op_unref(mrc_op *op)
         free(op);
 }
 
-/* Waits on ep->cv, with ep->lock held, until ready(arg) or timeout_ms pass
+/* Waits on cv, with ep->lock held, until ready(arg) or timeout_ms pass
  * (0: just look, <0: no limit). Returns ready(arg). */
-static bool wait_for(mrc_ep *ep, int timeout_ms, bool (*ready)(const void *), const void *arg)
+static bool wait_for(mrc_ep *ep, pthread_cond_t *cv, int timeout_ms, bool (*ready)(const void *),
+                     const void *arg)
 {
     struct timespec dl;
     clock_gettime(CLOCK_MONOTONIC, &dl);
@@ -503,8 +509,8 @@ static bool wait_for(mrc_ep *ep, int timeout_ms, bool (*ready)(const void *), co
         }
     }
     while (!ready(arg) && timeout_ms != 0) {
-        int rc = timeout_ms < 0 ? pthread_cond_wait(&ep->cv, &ep->lock)
-                                : pthread_cond_timedwait(&ep->cv, &ep->lock, &dl);
+        int rc = timeout_ms < 0 ? pthread_cond_wait(cv, &ep->lock)
+                                : pthread_cond_timedwait(cv, &ep->lock, &dl);
         if (rc == ETIMEDOUT)
             break;
     }
@@ -517,8 +523,8 @@ int mrc_op_wait(mrc_op *op, int timeout_ms)
 {
     mrc_ep *ep = op->ep;
     pthread_mutex_lock(&ep->lock);
-    op->waiters++; /* ep_publish_pt broadcasts only for batches someone waits on */
-    bool done = wait_for(ep, timeout_ms, op_ready, op);
+    op->waiters++; /* ep_publish_pt wakes the op's bucket only if someone waits */
+    bool done = wait_for(ep, &ep->op_cv[op_cv_index(op)], timeout_ms, op_ready, op);
     op->waiters--;
     pthread_mutex_unlock(&ep->lock);
     return done ? 0 : -ETIMEDOUT;
@@ -553,7 +559,7 @@ int mrc_conn_wait_imm(mrc_conn *c, int timeout_ms, uint32_t *imm, uint64_t *len)
 {
     mrc_ep *ep = c->ep;
     pthread_mutex_lock(&ep->lock);
-    wait_for(ep, timeout_ms, imm_ready, c);
+    wait_for(ep, &ep->cv, timeout_ms, imm_ready, c);
     struct imm_ev *ev = c->imm_head;
     if (ev) {
         c->imm_head = ev->next;
@@ -581,8 +587,8 @@ void op_complete_pt(mrc_ep *ep, mrc_op *op, int status)
 }
 
 /* Makes a batch of completions visible: done on their handles, entries on
- * their CQs (in completion order). ep->cv is broadcast only if a thread waits
- * on one of these ops; CQ waiters are woken by their own CQ (cq_push_locked). */
+ * their CQs (in completion order). Only the op_cv buckets of ops a thread
+ * waits on are broadcast; CQ waiters are woken by their own CQ (cq_push_locked). */
 void ep_publish_pt(mrc_ep *ep)
 {
     if (!ep->done_head)
@@ -594,12 +600,13 @@ void ep_publish_pt(mrc_ep *ep)
         list = op;
     }
     ep->done_head = NULL;
-    bool wake = false;
+    uint32_t wake = 0;
     pthread_mutex_lock(&ep->lock);
     for (mrc_op *op = list; op; op = op->qnext) {
         op->status = op->pt_status;
         op->done = 1;
-        wake |= op->waiters > 0;
+        if (op->waiters)
+            wake |= 1u << op_cv_index(op);
         if (op->cq) {
             op->cqe.wc = (struct mrc_wc){.ctx = op->ctx, .status = op->status,
                                          .kind = op->kind, .bytes = op->res_bytes,
@@ -608,8 +615,9 @@ void ep_publish_pt(mrc_ep *ep)
             cq_push_locked(op->cq, &op->cqe);
         }
     }
-    if (wake)
-        pthread_cond_broadcast(&ep->cv);
+    for (int i = 0; wake; i++, wake >>= 1)
+        if (wake & 1)
+            pthread_cond_broadcast(&ep->op_cv[i]);
     pthread_mutex_unlock(&ep->lock);
     for (mrc_op *op = list, *n; op; op = n) {
         n = op->qnext;

@@ -29,6 +29,10 @@
 #define MRC_SLOTS 65536u        /* connection and region ids: (random << 16) | slot */
 #define MRC_BATCH 64            /* packets per sendmmsg/recvmmsg */
 #define MRC_MSGW 1024u          /* messages in flight per connection */
+#define MRC_RX_SLOT 65536u     /* bytes per receive slot: a whole UDP GRO read */
+/* Plane sockets plus route sockets, one per (plane, segments before the
+ * destination): 256 spine routes are more than any fabric in routing/ has. */
+#define MRC_MAX_SOCKS (MRC_MAX_PLANES + 256)
 #define MRC_DEFAULT_MSS 8192u
 #define MRC_MAX_MSS 65000u
 #define MRC_PKT_MAX (MRC_DATA_HDR_LEN + MRC_MAX_MSS)
@@ -84,6 +88,8 @@ static inline uint64_t rng_next(uint64_t *s)
     *s = x;
     return x * 0x2545F4914F6CDD1Dull;
 }
+
+#define MRC_OP_CVS 16
 
 /* ---- objects ------------------------------------------------------------- */
 
@@ -286,6 +292,7 @@ static_assert(MRC_ACK_LEN >= MRC_DATA_HDR_LEN, "hdr slots fit every header");
 struct msock {
     int fd, plane, nsegs;
     bool no_gso;        /* the kernel refused UDP GSO here: one datagram per packet */
+    bool gro;           /* plane socket with UDP GRO: a read may hold many packets */
     struct in6_addr segs[MRC_MAX_SEGS];
     struct txbatch batch;
 };
@@ -324,7 +331,9 @@ struct mrc_ep {
 
     /* [lock] */
     pthread_mutex_t lock;
-    pthread_cond_t cv;
+    pthread_cond_t cv;                  /* control requests, immediates, connection state */
+    pthread_cond_t op_cv[MRC_OP_CVS];   /* op waiters, by op_cv_index: a batch wakes only
+                                         * the buckets of its ops that someone waits on */
     bool stopping, sleeping;
     mrc_op *subq_head, *subq_tail;
     struct ctl *ctlq_head, *ctlq_tail;
@@ -337,7 +346,7 @@ struct mrc_ep {
 
     /* progress thread */
     int nsocks;
-    struct msock *socks[MRC_MAX_PLANES + MRC_MAX_PATHS * 4];
+    struct msock *socks[MRC_MAX_SOCKS];
     mrc_conn *conns[MRC_SLOTS];
     mrc_mr *mrs[MRC_SLOTS];
     mrc_conn *active;        /* connections in the datapath */
@@ -348,11 +357,16 @@ struct mrc_ep {
     uint64_t rng;
     uint64_t next_timer_ns;  /* UINT64_MAX: no timer exists, sleep until woken */
     bool nl_ready;           /* the netlink socket woke the loop */
-    uint8_t *rxbuf;          /* MRC_BATCH * rx_slot bytes */
-    uint32_t rx_slot;
+    uint8_t *rxbuf;          /* MRC_BATCH + 1 slots of MRC_RX_SLOT bytes (sock_recv_pt) */
     struct mrc_ep_stats st;
     bool work;               /* this loop iteration did something */
 };
+
+static inline unsigned op_cv_index(const void *op)
+{
+    uintptr_t a = (uintptr_t)op;
+    return (unsigned)((a >> 6) ^ (a >> 12)) % MRC_OP_CVS; /* ops are >= 64-byte allocations */
+}
 
 /* ep.c */
 int ep_ctl(mrc_ep *ep, struct ctl *c);

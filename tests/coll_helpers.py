@@ -6,8 +6,11 @@ parallel in C."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -108,3 +111,63 @@ def ok(results: list[Any]) -> list[Any]:
         if isinstance(x, BaseException):
             raise AssertionError(f"rank {r} raised {type(x).__name__}: {x}") from x
     return results
+
+
+_CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _enter_netns(name: str) -> None:
+    """Moves the calling thread (only) into network namespace `name`: sockets it
+    creates from now on live there, whichever thread uses them later."""
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if _libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({name}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def fabric_mesh(
+    fab: Any,
+    hosts: Sequence[str],
+    *,
+    timeout: float = 20.0,
+    ep_timeout: float = 5.0,
+    chunk_bytes: int = 0,
+    slots: int = 0,
+) -> Iterator[list[Rank]]:
+    """Ranks on fabric hosts (rank r on hosts[r]) in one process: each rank's
+    endpoint and connections are made by a thread inside its host's namespace,
+    with the route table's SRv6 paths between every pair."""
+    from mrc.paths import FabricEndpoint
+
+    n = len(hosts)
+    pools = [ThreadPoolExecutor(1, initializer=_enter_netns, initargs=(fab.ns(h),)) for h in hosts]
+    fes: list[Any] = []
+    ranks: list[Rank] = []
+    try:
+        fes = [
+            pools[r].submit(FabricEndpoint, fab.fabric, hosts[r], timeout=ep_timeout).result()
+            for r in range(n)
+        ]
+        peers: list[list[Any]] = [[None] * n for _ in range(n)]
+        for j in range(1, n):
+            port = pools[j].submit(fes[j].listen).result()
+            for i in range(j):
+                accepted = pools[j].submit(fes[j].accept, timeout=10)
+                peers[i][j] = pools[i].submit(fes[i].connect, hosts[j], port, 10).result()
+                peers[j][i] = accepted.result()
+        ranks = [
+            Rank(r, n, fes[r].endpoint, peers[r], timeout, chunk_bytes, slots) for r in range(n)
+        ]
+        yield ranks
+    finally:
+        for rk in ranks:
+            rk.close()
+        for fe in fes:
+            fe.close()
+        for p in pools:
+            p.shutdown()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -161,7 +162,7 @@ class Collectives:
     peers: list[Any]
     timeout: float
     chunk_bytes: int = 0  # 0: the executor's default (256 KiB)
-    slots: int = 0  # scratch slots per ring; 0: 4
+    slots: int = 4  # scratch slots per ring: the pipeline depth (and the planner's lag)
 
     # -- life (called by the communicator) --
     def _collectives_init(self) -> None:
@@ -180,6 +181,7 @@ class Collectives:
         self._coll_queued = 0
         self._coll_worker: threading.Thread | None = None
         self._coll_closed = False
+        self._coll_stats: dict[str, Any] = {"ops": 0, "by_kind": {}, "last": None}
 
     def _collectives_abort(self, err: CollectiveError) -> None:
         """The communicator failed (or was aborted): end the running collective."""
@@ -235,6 +237,7 @@ class Collectives:
         sig: int,
     ) -> None:
         self._check_usable()
+        t0 = time.perf_counter()
         rc, peer = self._coll_exec.run(
             packed,
             None if send is None else send.obj,
@@ -245,8 +248,29 @@ class Collectives:
             self.timeout,
         )
         if rc == 0:
+            st = self._coll_stats
+            st["ops"] += 1
+            kinds = st["by_kind"]
+            kinds[packed.name] = kinds.get(packed.name, 0) + 1
+            st["last"] = {
+                "call": what,
+                "schedule": packed.name,
+                "seconds": time.perf_counter() - t0,
+                **packed.info,
+            }
             return
         raise self._failed(what, rc, peer)
+
+    def collective_stats(self) -> dict[str, Any]:
+        """Collectives run (total and per schedule), the last one (its call,
+        schedule, seconds, and for all_reduce the share bounds in elements),
+        the executor's scratch bytes, and the failure that ended the
+        communicator, if any."""
+        st = dict(self._coll_stats)
+        st["by_kind"] = dict(st["by_kind"])
+        st["scratch_bytes"] = self._coll_exec.scratch_bytes
+        st["failure"] = None if self._coll_failure is None else str(self._coll_failure)
+        return st
 
     def _failed(self, what: str, rc: int, peer: int) -> CollectiveError:
         r = self.rank
@@ -340,9 +364,10 @@ class Collectives:
             raise UsageError(f"all_reduce: shares has {len(sh)} entries for {self.size} ranks")
         what = f"all_reduce of {s.count} {s.dtype} ({op})"
         key = ("all_reduce", s.count, s.esize, sh, op == "avg")
-        n, rank = self.size, self.rank
+        n, rank, lag = self.size, self.rank, self.slots or 4
         packed = self._plan(
-            key, lambda: S.all_reduce(rank, n, s.count, s.esize, shares=sh, avg=op == "avg")
+            key,
+            lambda: S.all_reduce(rank, n, s.count, s.esize, shares=sh, avg=op == "avg", lag=lag),
         )
         sig = signature("all_reduce", s.count, s.dtype, op, sh)
         out = send if recv is None else recv
@@ -370,10 +395,10 @@ class Collectives:
             self._same(s, r, "reduce", 1)
         code = _op(op)
         what = f"reduce of {s.count} {s.dtype} ({op}, root {root})"
-        n, rank = self.size, self.rank
+        n, rank, lag = self.size, self.rank, self.slots or 4
         packed = self._plan(
             ("reduce", s.count, s.esize, root, op == "avg"),
-            lambda: S.reduce(rank, n, s.count, s.esize, root, avg=op == "avg"),
+            lambda: S.reduce(rank, n, s.count, s.esize, root, avg=op == "avg", lag=lag),
         )
         sig = signature("reduce", s.count, s.dtype, op, root)
         out = (send if recv is None else recv) if rank == root else None

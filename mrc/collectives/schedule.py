@@ -16,7 +16,11 @@ chunk size, arrival order or path failures.
 
 Message matching between two ranks is by order: the k-th SEND step from a to
 b (pair_seq k) meets the k-th RECV step from a at b, chunk by chunk, and must
-have the same length. ``check_pair`` verifies a set of schedules does that.
+have the same length and lag. Within a direction, chunk i of a step is message
+number i + lag (ties: lower pair_seq first): the all-gather phase has lag =
+the ring depth, so its chunks interleave with the reduce-scatter's instead of
+queueing behind all of them, and its RECVs are posted before its data comes.
+``check_pair`` verifies a set of schedules pairs up.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ STEP_DTYPE = np.dtype(
         ("dst", "<u4"),
         ("dep", "<u4"),
         ("ndeps", "<u4"),
-        ("pad", "<u4"),
+        ("lag", "<u4"),
     ]
 )
 REF_DTYPE = np.dtype([("buf", "<u4"), ("pad", "<u4"), ("off", "<u8")])
@@ -76,6 +80,7 @@ class Step:
     dst: Ref | None = None
     deps: tuple[int, ...] = ()
     flags: int = 0
+    lag: int = 0  # SEND/RECV: chunk i is this pair's message i + lag
 
     def __repr__(self) -> str:
         what = KIND_NAMES[self.kind]
@@ -91,6 +96,8 @@ class Packed:
     refs: np.ndarray
     deps: np.ndarray
     nrings: int
+    name: str = ""
+    info: dict = field(default_factory=dict)  # e.g. all_reduce's share bounds
 
 
 @dataclass
@@ -105,6 +112,7 @@ class Schedule:
     recv_bytes: int
     steps: list[Step] = field(default_factory=list)
     nrings: int = 0
+    info: dict = field(default_factory=dict)
     _seq: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
     _packed: Packed | None = field(default=None, repr=False)
 
@@ -117,11 +125,11 @@ class Schedule:
         self.steps.append(step)
         return len(self.steps) - 1
 
-    def send(self, peer: int, src: Ref, length: int, deps: Sequence[int] = ()) -> int:
-        return self.add(Step(SEND, length, peer=peer, srcs=(src,), deps=tuple(deps)))
+    def send(self, peer: int, src: Ref, length: int, deps: Sequence[int] = (), lag: int = 0) -> int:
+        return self.add(Step(SEND, length, peer=peer, srcs=(src,), deps=tuple(deps), lag=lag))
 
-    def recv(self, peer: int, dst: Ref, length: int, deps: Sequence[int] = ()) -> int:
-        return self.add(Step(RECV, length, peer=peer, dst=dst, deps=tuple(deps)))
+    def recv(self, peer: int, dst: Ref, length: int, deps: Sequence[int] = (), lag: int = 0) -> int:
+        return self.add(Step(RECV, length, peer=peer, dst=dst, deps=tuple(deps), lag=lag))
 
     def reduce(
         self, dst: Ref, srcs: Sequence[Ref], length: int, deps: Sequence[int], finish: bool
@@ -192,24 +200,31 @@ class Schedule:
             if s.dst is not None:
                 row["dst"] = len(refs)
                 refs.append((s.dst.buf, s.dst.off))
-            row["dep"], row["ndeps"] = len(deps), len(s.deps)
+            row["dep"], row["ndeps"], row["lag"] = len(deps), len(s.deps), s.lag
             deps.extend(s.deps)
         ref_arr = np.zeros(len(refs), REF_DTYPE)
         for i, (b, o) in enumerate(refs):
             ref_arr[i]["buf"], ref_arr[i]["off"] = b, o
-        self._packed = Packed(steps, ref_arr, np.asarray(deps, dtype="<u4"), self.nrings)
+        self._packed = Packed(
+            steps, ref_arr, np.asarray(deps, dtype="<u4"), self.nrings, self.name, self.info
+        )
         return self._packed
 
 
 def check_pair(schedules: Sequence[Schedule]) -> None:
-    """Across ranks: every SEND has its RECV, in the same order, of the same length."""
+    """Across ranks: every SEND has its RECV, in the same order, with the same
+    (length, lag)."""
     n = len(schedules)
     for a in range(n):
         for b in range(n):
             if a == b:
                 continue
-            sends = [s.length for s in schedules[a].steps if s.kind == SEND and s.peer == b]
-            recvs = [s.length for s in schedules[b].steps if s.kind == RECV and s.peer == a]
+            sends = [
+                (s.length, s.lag) for s in schedules[a].steps if s.kind == SEND and s.peer == b
+            ]
+            recvs = [
+                (s.length, s.lag) for s in schedules[b].steps if s.kind == RECV and s.peer == a
+            ]
             if sends != recvs:
                 raise UsageError(
                     f"{schedules[a].name}: rank {a} sends {sends} to rank {b}, "
@@ -283,30 +298,37 @@ def all_reduce(
     *,
     shares: Sequence[float] | None = None,
     avg: bool = False,
+    lag: int = 4,
 ) -> Schedule:
     """Direct all_reduce: reduce-scatter to owners (each reduces the raw
     contributions in rank order), then all-gather of the owners' shares.
     Bytes per rank 2(n-1)/n of the data, as a ring, with two sequential steps.
     `shares`: each rank's fraction of the elements (issue 13's resilient
-    schedule is this one with bandwidth-proportional shares)."""
+    schedule is this one with bandwidth-proportional shares). lag: the
+    executor's ring depth (slots), so that the all-gather of chunk i is sent
+    as the reduce-scatter of chunk i + lag frees the ring."""
     nbytes = count * esize
     sch = Schedule("all_reduce", rank, n, nbytes, nbytes)
     if n == 1:
         sch.reduce(Ref(BUF_RECV, 0), [Ref(BUF_SEND, 0)], nbytes, (), avg)
         return sch
     b = share_bounds(count, n, shares)
+    sch.info["share_bounds"] = b
     mine = (b[rank + 1] - b[rank]) * esize
     red, rs_sends = _reduce_scatter_phase(sch, b, esize, Ref(BUF_RECV, b[rank] * esize), avg)
     for d in range(1, n):
         j = (rank + d) % n
-        sch.send(j, Ref(BUF_RECV, b[rank] * esize), mine, [red])
+        sch.send(j, Ref(BUF_RECV, b[rank] * esize), mine, [red], lag)
         k = (rank - d) % n
         # In place, recv[share k] is also what this rank is sending to k.
-        sch.recv(k, Ref(BUF_RECV, b[k] * esize), (b[k + 1] - b[k]) * esize, [rs_sends[k]])
+        ln = (b[k + 1] - b[k]) * esize
+        sch.recv(k, Ref(BUF_RECV, b[k] * esize), ln, [rs_sends[k]], lag)
     return sch
 
 
-def reduce(rank: int, n: int, count: int, esize: int, root: int, *, avg: bool = False) -> Schedule:
+def reduce(
+    rank: int, n: int, count: int, esize: int, root: int, *, avg: bool = False, lag: int = 4
+) -> Schedule:
     """Direct reduce-scatter, then every owner sends its reduced share to root."""
     nbytes = count * esize
     sch = Schedule("reduce", rank, n, nbytes, nbytes if rank == root else 0)
@@ -320,11 +342,12 @@ def reduce(rank: int, n: int, count: int, esize: int, root: int, *, avg: bool = 
         mine = (b[rank + 1] - b[rank]) * esize
         dst = sch.steps[red].dst
         assert dst is not None
-        sch.send(root, dst, mine, [red])
+        sch.send(root, dst, mine, [red], lag)
     else:
         for k in range(n):
             if k != root:
-                sch.recv(k, Ref(BUF_RECV, b[k] * esize), (b[k + 1] - b[k]) * esize, [rs_sends[k]])
+                ln = (b[k + 1] - b[k]) * esize
+                sch.recv(k, Ref(BUF_RECV, b[k] * esize), ln, [rs_sends[k]], lag)
     return sch
 
 

@@ -145,14 +145,17 @@ class _Rank:
         return True
 
     def cursor_ok(self, si: int) -> bool:
-        """Transfers of one peer and direction start in pair order."""
+        """Transfers of one peer and direction start in message order: chunk i
+        of a step is message i + lag, ties to the lower pair_seq (coll.c)."""
         s = self.sch.steps[si]
+        best, key = None, None
         for j in self.lists[(s.peer, s.kind)]:
-            if j == si:
-                return True
-            if self.next[j] < self.nch[j]:
-                return False
-        return True
+            if self.next[j] >= self.nch[j]:
+                continue
+            k = self.next[j] + self.sch.steps[j].lag
+            if key is None or k < key:
+                best, key = j, k
+        return best == si
 
 
 def simulate(

@@ -260,8 +260,10 @@ int mrc_reduce_finish(void *acc, size_t count, int dtype, int op, int n);
  * i - slots to be consumed by every step reading it. So extra memory is
  * nrings * slots * chunk_bytes, whatever the message size.
  *
- * Messages: the SEND/RECV steps between two ranks are matched in order of
- * pair_seq (0, 1, ... in each direction) and chunk; each message's tag
+ * Messages: the SEND/RECV steps between two ranks are matched in one order
+ * per direction: chunk i of a step is message i + lag, ties by pair_seq
+ * (0, 1, ... numbered in plan order), so a later phase interleaves with an
+ * earlier one; chunk_bytes must be the same on every rank; each message's tag
  * carries the call's signature, the pair's sequence number of collectives,
  * pair_seq and the chunk, and every received tag and length is checked:
  * ranks called with different arguments fail with MRC_EMISMATCH. */
@@ -288,7 +290,7 @@ struct mrc_coll_step {
     uint32_t src, nsrc;  /* refs[src .. src+nsrc): SEND 1, COPY 1, REDUCE >= 1 */
     uint32_t dst;        /* refs[dst]: RECV, REDUCE, COPY */
     uint32_t dep, ndeps; /* deps[dep .. dep+ndeps): indices of earlier steps */
-    uint32_t pad;
+    uint32_t lag;        /* SEND/RECV: chunk i is the pair's message i + lag (see below) */
 };
 #define MRC_STEP_FINISH 0x1
 
@@ -398,8 +400,12 @@ struct mrc_ep_stats {
     uint64_t probe_timeouts;
     uint64_t link_events;    /* local interface carrier changes seen */
     uint64_t loop_iters;
+    uint64_t rx_reads;       /* datagrams read from sockets (a UDP GRO read counts once) */
+    uint64_t rx_gro_reads;   /* reads that held several packets, coalesced by UDP GRO */
+    uint64_t tx_sends;       /* datagrams handed to the kernel (a UDP GSO batch counts once) */
     int nconns;
     int npaths;     /* entries filled in paths[] */
+    int nsocks;     /* UDP sockets: one per plane + one per (plane, SRv6 route to a spine) */
 };
 
 /* Snapshot taken by the progress thread. paths may be NULL. */

@@ -91,8 +91,10 @@ static void plan_all_reduce(struct plan *pl, int r, uint64_t count, int avg)
             continue;
         uint32_t s = step(pl, MRC_STEP_SEND, j, 1, b[r + 1] - b[r]);
         pl->steps[s].src = ref(pl, MRC_BUF_RECV, b[r]), pl->steps[s].nsrc = 1;
+        pl->steps[s].lag = 2;
         dep(pl, s, red);
         s = step(pl, MRC_STEP_RECV, j, 1, b[j + 1] - b[j]);
+        pl->steps[s].lag = 2;
         pl->steps[s].dst = ref(pl, MRC_BUF_RECV, b[j]);
         dep(pl, s, rs_send[j]); /* in place: that range is still being sent to j */
     }

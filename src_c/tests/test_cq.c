@@ -277,6 +277,55 @@ static void usage_errors(void)
     mrc_mr_dereg(mr);
 }
 
+struct op_waiter {
+    mrc_op *op;
+    int rc;
+};
+
+static void *op_wait_thread(void *arg)
+{
+    struct op_waiter *w = arg;
+    w->rc = mrc_op_wait(w->op, 10000);
+    return NULL;
+}
+
+/* Op waiters sleep on buckets of condition variables, woken only for a batch
+ * holding one of their ops: each of many concurrent waiters still sees its
+ * own op complete, whatever the order. */
+static void op_waiters(void)
+{
+    enum { NT = 24 };
+    uint8_t *buf = calloc(NT, 64), *src = malloc(64);
+    memset(src, 0xab, 64);
+    mrc_mr *mb, *ms;
+    CHECK_RC(mrc_mr_reg(b, buf, NT * 64, 0, &mb));
+    CHECK_RC(mrc_mr_reg(a, src, 64, 0, &ms));
+    struct op_waiter w[NT];
+    pthread_t t[NT];
+    for (int i = 0; i < NT; i++) {
+        CHECK_RC(mrc_post_recv(cb[0], mb, (uint64_t)i * 64, 64, 500 + (uint64_t)i, &w[i].op));
+        CHECK(pthread_create(&t[i], NULL, op_wait_thread, &w[i]) == 0);
+    }
+    mrc_op *s[NT];
+    for (int i = NT - 1; i >= 0; i--)
+        CHECK_RC(mrc_post_send(ca[0], ms, 0, 64, 500 + (uint64_t)i, &s[i]));
+    for (int i = 0; i < NT; i++) {
+        pthread_join(t[i], NULL);
+        CHECK(w[i].rc == 0);
+        struct mrc_op_result r;
+        mrc_op_get_result(w[i].op, &r);
+        CHECK(r.status == 0 && r.tag == 500 + (uint64_t)i && r.bytes == 64);
+        CHECK(memcmp(buf + i * 64, src, 64) == 0);
+        CHECK_RC(mrc_op_wait(s[i], 10000));
+        mrc_op_release(s[i]);
+        mrc_op_release(w[i].op);
+    }
+    mrc_mr_dereg(mb);
+    mrc_mr_dereg(ms);
+    free(buf);
+    free(src);
+}
+
 struct waiter {
     mrc_cq *cq;
     int rc;
@@ -338,6 +387,7 @@ int main(void)
     many_ops();
     timeout_and_busy();
     usage_errors();
+    op_waiters();
     destroy_with_pending();
     DONE("test_cq");
     return 0;
