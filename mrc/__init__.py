@@ -38,9 +38,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TAG_ANY",
+    "BusyError",
     "CollectiveError",
     "Communicator",
-    "BusyError",
     "CompletionQueue",
     "Connection",
     "ConnectionClosedError",

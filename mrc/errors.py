@@ -39,11 +39,6 @@ class TruncatedError(MrcError):
     """A SEND carried more bytes than the matching RECV buffer holds."""
 
 
-class BusyError(MrcError):
-    """The object is still in use (operations pending on it, connections bound to it,
-    a thread waiting on it): finish or close those first."""
-
-
 class CollectiveError(MrcError):
     """A collective (or the communicator) failed: a rank died or became unreachable, the
     communicator was aborted, or the ranks disagree about the call.
@@ -56,3 +51,8 @@ class CollectiveError(MrcError):
         super().__init__(message)
         self.rank = rank
         self.code = code
+
+
+class BusyError(MrcError):
+    """The object is still in use (operations pending on it, connections bound to it,
+    a thread waiting on it): finish or close those first."""

@@ -9,8 +9,9 @@ MRC_FABRIC_NAME, MRC_HOST, so mrc.Communicator.from_env() needs nothing else. On
 (which must be up: `mrc-fabric up FILE --name NAME`) rank r runs in host r's namespace
 (--hosts to choose) and MASTER_ADDR is rank 0's host's plane-0 address.
 
-Every output line is prefixed "[r] ". When a rank fails, the others are stopped (SIGTERM,
-then SIGKILL), its last lines and exit code are shown, and mrc-run exits with the first
+Every output line is prefixed "[r] ". When a rank fails, the others get --settle seconds
+(2) to end by themselves (their communicators raise at once, naming it), then are stopped
+(SIGTERM, then SIGKILL), its last lines and exit code are shown, and mrc-run exits with the first
 failure's code (128 + signal for a rank killed by a signal). Ctrl-C stops every rank.
 """
 
@@ -37,6 +38,7 @@ from mrc.errors import MrcError
 
 TAIL_LINES = 20
 STOP_GRACE_S = 3.0
+SETTLE_S = 2.0  # after a failure, how long the others may take to end by themselves
 
 
 @dataclass
@@ -174,8 +176,15 @@ def _plan_fabric(
 class Launcher:
     """Runs the planned ranks; run() returns the exit code mrc-run exits with."""
 
-    def __init__(self, ranks: list[Rank], out: IO[str] | None = None, time_limit: float = 0):
+    def __init__(
+        self,
+        ranks: list[Rank],
+        out: IO[str] | None = None,
+        time_limit: float = 0,
+        settle: float = SETTLE_S,
+    ) -> None:
         self.ranks = ranks
+        self.settle = settle
         self.out = out or sys.stdout
         self.time_limit = time_limit
         self._lock = threading.Lock()
@@ -209,9 +218,19 @@ class Launcher:
         rk.proc.wait()
         self._exits.put((rk.rank, rk.proc.returncode))
 
-    def _stop(self, ranks: list[Rank]) -> list[int]:
-        """SIGTERM every running rank's process group, SIGKILL what is left after the
-        grace period; returns the ranks that had to be stopped."""
+    def _stop(self, ranks: list[Rank], settle: float = 0.0) -> list[int]:
+        """Give the ranks `settle` seconds to end by themselves (after a failure, the
+        others' communicators raise at once, naming the failed rank: their words are
+        worth showing), then SIGTERM every running rank's process group and SIGKILL
+        what is left after the grace period; returns the ranks that had to be stopped."""
+        deadline = time.monotonic() + settle
+        for rk in ranks:
+            if rk.proc is None:
+                continue  # never started
+            try:
+                rk.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
         stopped = [rk for rk in ranks if rk.proc is not None and rk.proc.poll() is None]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for rk in stopped:
@@ -257,7 +276,8 @@ class Launcher:
                 left -= 1
                 if rc != 0 and first is None:
                     first = (rank, rc)
-                    stopped = self._stop([r for r in self.ranks if r.rank != rank])
+                    others = [r for r in self.ranks if r.rank != rank]
+                    stopped = self._stop(others, settle=self.settle)
                     self._report(rank, rc, stopped)
         except KeyboardInterrupt:
             stopped = self._stop(self.ranks)
@@ -293,6 +313,13 @@ class Launcher:
 @click.option("--timeout", type=float, help="Communicator timeout, seconds (MRC_TIMEOUT).")
 @click.option("--planes", help="MRC_PLANES for every rank (a loopback plane count).")
 @click.option("--time-limit", type=float, default=0, help="Stop every rank after S seconds.")
+@click.option(
+    "--settle",
+    type=float,
+    default=SETTLE_S,
+    show_default=True,
+    help="After a failure, seconds the others get to end by themselves before SIGTERM.",
+)
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def main(
     n: int,
@@ -302,6 +329,7 @@ def main(
     timeout: float | None,
     planes: str | None,
     time_limit: float,
+    settle: float,
     cmd: tuple[str, ...],
 ) -> None:
     """Start N ranks of CMD with the environment mrc.Communicator.from_env() reads."""
@@ -310,7 +338,7 @@ def main(
         ranks = plan(n, cmd, fabric, name, host_list, timeout, planes)
     except MrcError as e:
         raise click.ClickException(str(e)) from None
-    sys.exit(Launcher(ranks, time_limit=time_limit).run())
+    sys.exit(Launcher(ranks, time_limit=time_limit, settle=settle).run())
 
 
 if __name__ == "__main__":

@@ -79,12 +79,60 @@ def wait_for_failure(comm: mrc.Communicator, peer: int) -> None:
     raise AssertionError("no failure seen")
 
 
+def collectives(comm: mrc.Communicator) -> dict[str, int]:
+    """Real collectives across the processes, each output checked bit for bit against
+    the rank-order numpy reference of mrc-perf (every rank computes it itself)."""
+    from mrc.perf.coll import make_case, wrong
+
+    n, res = comm.size, {}
+    cases = [
+        ("all_reduce", "float32", "sum"),
+        ("all_reduce", "int32", "prod"),
+        ("all_reduce", "bfloat16", "avg"),
+        ("all_reduce", "float16", "max"),
+        ("reduce", "float64", "min"),
+        ("broadcast", "int8", "sum"),
+        ("all_gather", "uint8", "sum"),
+        ("reduce_scatter", "float32", "sum"),
+        ("alltoall", "int64", "sum"),
+        ("sendrecv", "float32", "sum"),
+    ]
+    for coll, dtype, op in cases:
+        for nbytes in (0, 8, 4 * 1001 * n):
+            for inplace in (False, True):
+                case = make_case(comm, coll, nbytes, dtype, op, n - 1, inplace)
+                if case is None:
+                    continue
+                case.reset()
+                case.run()
+                key = f"{coll}/{dtype}/{op}/{nbytes}/{'in' if inplace else 'out'}"
+                res[key] = 0 if case.want is None else wrong(case.out, case.want)
+    comm.barrier()
+    return res
+
+
+def die_mid_collective(comm: mrc.Communicator, dead: int) -> None:
+    """Every rank runs 64 MiB all_reduces; rank `dead` starts one and exits in the middle."""
+    buf = np.ones(16 << 20, dtype=np.float32)
+    comm.all_reduce(buf)
+    if comm.rank == dead:
+        comm.all_reduce(buf, async_op=True)
+        os._exit(3)
+    for _ in range(1000):
+        comm.all_reduce(buf)
+
+
 def main() -> None:
     mode, uid = sys.argv[1], sys.argv[4]
     # Under mrc-run: "env" for rank, size and id.
     rank = int(os.environ["RANK"]) if sys.argv[2] == "env" else int(sys.argv[2])
     size = int(os.environ["WORLD_SIZE"]) if sys.argv[3] == "env" else int(sys.argv[3])
     timeout = float(sys.argv[5]) if len(sys.argv) > 5 else 10.0
+    if os.environ.get("COMM_WAIT_GO"):
+        # Imports done: the test starts every rank's clock at once (a loaded machine takes
+        # seconds to start Python, more than the short timeouts the error tests use).
+        print(json.dumps({"rank": rank, "ready": True}), flush=True)
+        sys.stdin.readline()
     t0 = time.monotonic()
     out: dict[str, object] = {"rank": rank}
     try:
@@ -101,10 +149,19 @@ def main() -> None:
             if mode == "mesh":
                 out["got"] = exchange(comm)
                 out["npaths"] = [c.npaths if c else 0 for c in comm.peers]
+                out["fabric_info"] = comm.fabric_info
             elif mode == "die":
                 exchange(comm)
                 print(json.dumps({"rank": rank, "dying": True}), flush=True)
                 os._exit(3)
+            elif mode == "coll":
+                out["wrong"] = collectives(comm)
+            elif mode == "coll_die":
+                t1 = time.monotonic()
+                try:
+                    die_mid_collective(comm, int(os.environ["DEAD_RANK"]))
+                finally:
+                    out["secs"] = time.monotonic() - t1
             elif mode == "mesh_hold":  # until the test kills or stops this process
                 exchange(comm)
                 print(json.dumps({"rank": rank, "holding": True}), flush=True)

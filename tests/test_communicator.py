@@ -39,10 +39,19 @@ def start_ranks(
 ) -> list[subprocess.Popen[str]]:
     procs = []
     for r in range(size):
-        e = dict(os.environ, **(env or {}), **((envs or {}).get(r, {})))
+        e = dict(os.environ, **(env or {}), **((envs or {}).get(r, {})), COMM_WAIT_GO="1")
         m = (modes or {}).get(r, mode)
         argv = [sys.executable, WORKER, m, str(r), str(size), uid, str(timeout)]
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=e))
+        procs.append(
+            subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True, env=e)
+        )
+    for p in procs:  # every rank has imported mrc: start them together
+        assert p.stdout is not None
+        assert json.loads(p.stdout.readline()).get("ready")
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
     return procs
 
 
@@ -307,7 +316,7 @@ def test_abort_from_another_thread_reaches_every_rank() -> None:
 def test_dead_rank_is_named_within_the_timeout(how: str) -> None:
     """Rank 2 of 4 dies (or is stopped) after the mesh carried data; the others, blocked
     on a RECV from it, raise CollectiveError naming rank 2 within the timeout."""
-    timeout, dead = 2.0, 2
+    timeout, dead = 3.0, 2
     uid = mrc.get_unique_id()
     modes = {dead: "die" if how == "exit" else "mesh_hold"}
     procs = start_ranks("survive", 4, uid.hex(), timeout, env={"DEAD_RANK": str(dead)}, modes=modes)
@@ -329,3 +338,62 @@ def test_dead_rank_is_named_within_the_timeout(how: str) -> None:
         assert got["secs"] < timeout + 3, got
     if how == "sigstop":
         assert all("sent nothing for" in g["error"] for g in res), res
+
+
+# Real collectives (the Collectives mixin of wip/coll) across processes ---------------------
+
+needs_collectives = pytest.mark.skipif(
+    not hasattr(mrc.Communicator, "all_reduce"), reason="the collectives (wip/coll) are not merged"
+)
+
+
+@needs_collectives
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_collectives_across_processes(size: int) -> None:
+    uid = mrc.get_unique_id()
+    res = results(start_ranks("coll", size, uid.hex(), timeout=30), limit=120)
+    for got in res:
+        assert got.get("ok"), got
+        bad = {k: v for k, v in got["wrong"].items() if v}
+        assert not bad, (got["rank"], bad)
+
+
+@needs_collectives
+def test_rank_killed_mid_collective() -> None:
+    timeout, dead = 3.0, 1
+    uid = mrc.get_unique_id()
+    res = results(
+        start_ranks("coll_die", 3, uid.hex(), timeout, env={"DEAD_RANK": str(dead)}), limit=120
+    )
+    assert res[dead] == {"exit": 3}, res[dead]
+    survivors = [g for r, g in enumerate(res) if r != dead]
+    for got in survivors:
+        assert got.get("type") == "CollectiveError", got
+        assert got["err_rank"] == dead and f"rank {dead}" in got["error"], got
+        assert got["secs"] < timeout + 5, got
+
+
+def test_close_waits_for_the_others_at_most_the_timeout() -> None:
+    """close() is collective; a rank whose peer never closes gives up after the timeout,
+    and the peer, told the rendezvous is gone, then closes at once."""
+    uid = mrc.get_unique_id()
+    comms = in_threads([(0, 2, uid), (1, 2, uid)], timeout=2.0)
+    c0, c1 = comms
+    assert isinstance(c0, mrc.Communicator) and isinstance(c1, mrc.Communicator)
+    t0 = time.monotonic()
+    c0.close()
+    assert 1.9 < time.monotonic() - t0 < 10
+    assert c1._released.wait(5)  # so its close() will not wait
+    c1.close()
+    assert c1.failure is None  # a peer that closed is not a failure
+
+
+def test_a_communicator_of_one() -> None:
+    with mrc.Communicator(0, 1, mrc.get_unique_id(), timeout=5, planes=1) as comm:
+        assert comm.peers == [None] and comm.hosts and comm.failure is None
+        if hasattr(comm, "all_reduce"):
+            x = np.arange(5, dtype=np.float32)
+            comm.all_reduce(x)
+            assert x.tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(mrc.CollectiveError, match="closed"):
+        comm.check_failure()

@@ -65,6 +65,7 @@ def test_avg_and_wrong() -> None:
     acc = np.array([7, -7, 5, -1], dtype=np.int32)
     assert finish(acc, "avg", "int32", 2).tolist() == [3, -3, 2, 0]  # toward zero, as C
     assert wrong(np.array([0.0, 1.0]), np.array([-0.0, 1.0])) == 1  # bits, not ==
+    assert wrong(np.zeros(0, np.float32), np.zeros(0, np.float32)) == 0
     nan = np.array([np.nan])
     assert wrong(nan, nan.copy()) == 0
 

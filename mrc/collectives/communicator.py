@@ -19,7 +19,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path as FsPath
 from typing import Any
@@ -120,12 +120,13 @@ class Communicator(Collectives):
             self._client.start_monitor(self._on_failed, self._on_closed, self._released.set)
             self._take_table(infos)
             self._connect_mesh(infos)
-            if self._failure is not None:
-                raise self._failure
             init = getattr(self, "_collectives_init", None)
             if init is not None:
                 init()
-                self._collectives_started = True
+            self._collectives_started = True
+            # A failure the monitor saw before the executor existed was not passed on.
+            if self._failure is not None:
+                raise self._failure
         except BaseException as e:
             message = f"rank {self.rank} failed to set up its communicator: {e}"
             self._teardown({"op": "abort", "message": message})
@@ -229,9 +230,9 @@ class Communicator(Collectives):
     def _accept_all(self, expected: Iterable[int], deadline: float) -> None:
         waiting = set(expected)
 
-        def paths_for(name: str) -> list[Any] | None:
-            peer = _rank_of(name, self.size)
-            return None if peer is None else self._paths_to(peer)
+        def paths_for(name: str) -> list[Any]:
+            peer = _rank_of(name, self.size)  # empty: the endpoint's own plane pairs
+            return (None if peer is None else self._paths_to(peer)) or []
 
         while waiting:
             left = deadline - time.monotonic()
@@ -282,8 +283,9 @@ class Communicator(Collectives):
             if self._failure is not None:
                 return False
             self._failure = err
+            closed = self._closed
         abort = getattr(self, "_collectives_abort", None)
-        if abort is not None:
+        if abort is not None and self._collectives_started and not closed:
             abort(err)
         return True
 
@@ -326,12 +328,13 @@ class Communicator(Collectives):
         endpoint (rank 0: and the rendezvous). The wait is why closing is safe: a rank
         that tore its connections down at once could fail a peer's last SEND, whose data
         it holds but whose ACK it never sent."""
-        if self._closed:
-            return
         self._teardown({"op": "bye"})
 
     def _teardown(self, goodbye: dict[str, Any]) -> None:
-        self._closed = True
+        with self._fail_lock:  # one teardown, also when two threads close at once
+            if self._closed:
+                return
+            self._closed = True
         if self._collectives_started:
             close = getattr(self, "_collectives_close", None)
             if close is not None:
@@ -371,7 +374,7 @@ class Communicator(Collectives):
     # --- launchers -------------------------------------------------------------------------
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **kwargs: Any) -> Communicator:
+    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> Communicator:
         """A communicator from the variables a launcher sets (see launch_env())."""
         cfg = launch_env(os.environ if env is None else env)
         for key in ("planes", "fabric", "host", "timeout"):
@@ -417,7 +420,7 @@ RUN_ID_VARS = (
 )
 
 
-def _int_var(env: dict[str, str] | Any, name: str) -> int:
+def _int_var(env: Mapping[str, str], name: str) -> int:
     value = env[name]
     try:
         return int(value)
@@ -425,7 +428,7 @@ def _int_var(env: dict[str, str] | Any, name: str) -> int:
         raise UsageError(f"{name}={value!r} is not an integer") from None
 
 
-def rendezvous_port(env: dict[str, str] | Any) -> int:
+def rendezvous_port(env: Mapping[str, str]) -> int:
     """MRC_PORT; else MASTER_PORT + 1 (torchrun's own store listens on MASTER_PORT);
     else 29501, plus SLURM_JOB_ID % 1000 under Slurm so jobs sharing a node differ."""
     if "MRC_PORT" in env:
@@ -441,7 +444,7 @@ def rendezvous_port(env: dict[str, str] | Any) -> int:
     return port
 
 
-def launch_env(env: dict[str, str] | Any) -> dict[str, Any]:
+def launch_env(env: Mapping[str, str]) -> dict[str, Any]:
     """What from_env() builds the communicator from: rank, size, unique_id and any of
     planes (MRC_PLANES), fabric (MRC_FABRIC), host (MRC_HOST), timeout (MRC_TIMEOUT)."""
     for rank_var, size_var, _who in RANK_VARS:

@@ -495,6 +495,7 @@ class RendezvousClient:
             interval = heartbeat_interval(self.timeout)
             last_heard = time.monotonic()
             next_beat = 0.0
+            rank0_closing = False  # rank 0 said bye: its server goes with it, not a failure
             while not self._closed:
                 now = time.monotonic()
                 if now >= next_beat:
@@ -503,6 +504,8 @@ class RendezvousClient:
                 try:
                     msg = self._recv(min(next_beat, last_heard + self.timeout))
                 except TimeoutError:
+                    if rank0_closing:
+                        continue
                     if time.monotonic() - last_heard > self.timeout and not self._closed:
                         on_failed(
                             0,
@@ -515,6 +518,9 @@ class RendezvousClient:
                     msg = None
                 if self._closed:
                     return
+                if msg is None and rank0_closing:
+                    on_closed(None)
+                    return
                 if msg is None:
                     on_failed(0, "rank 0 exited or lost its rendezvous connection without close()")
                     return
@@ -526,6 +532,7 @@ class RendezvousClient:
                     on_released()
                     return
                 if msg["op"] == "closed":
+                    rank0_closing = rank0_closing or msg.get("rank") == 0
                     on_closed(msg.get("rank"))
                     if msg.get("rank") is None:
                         return  # rank 0 closed its communicator: nothing more to watch
