@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import random
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -75,6 +76,13 @@ class TinyLM(nn.Module):
         h = self.tok(x) + self.pos[: x.shape[1]]
         h = self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
         return self.head(self.norm(h))
+
+
+def say(line: str) -> None:
+    """One write per line: ranks share a pipe under torchrun (unbuffered), and print's two
+    writes (text, then newline) from two ranks interleave into one line."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def param_sha256(model: nn.Module) -> str:
@@ -184,7 +192,7 @@ def main() -> None:
         for r, plane, at in args.fail_plane:
             if r == rank and at == step:
                 mrc.torch.communicator().endpoint.inject(plane, down=True)
-                print(f"rank {rank}: plane {plane} down before step {step}", flush=True)
+                say(f"rank {rank}: plane {plane} down before step {step}")
         t0 = time.perf_counter()
         starts = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=gen)
         x = torch.stack([data[s : s + args.seq] for s in starts.tolist()])
@@ -202,10 +210,10 @@ def main() -> None:
         comm_s.append(timer.take())
         losses.append(mean.item())
         if rank == 0 and not args.quiet:
-            print(f"step {step} loss {losses[-1]:.6f}", flush=True)
+            say(f"step {step} loss {losses[-1]:.6f}")
 
     sha = param_sha256(model.module)
-    print(f"rank {rank} params sha256 {sha}", flush=True)
+    say(f"rank {rank} params sha256 {sha}")
     if rank == 0 and args.json:
         args.json.write_text(
             json.dumps(
