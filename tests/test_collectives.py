@@ -67,7 +67,8 @@ def test_kernels_match_numpy(dtype: str, op: str) -> None:
 # ---- every collective x op x dtype ------------------------------------------
 
 
-def test_all_reduce_every_op_and_dtype(ranks) -> None:
+@pytest.mark.parametrize("algo", ["direct", "gather"])
+def test_all_reduce_every_op_and_dtype(ranks, algo: str) -> None:
     n = len(ranks)
     case = 0
     for dtype in DTYPES:
@@ -82,8 +83,8 @@ def test_all_reduce_every_op_and_dtype(ranks) -> None:
                 def go(rk, ins=ins, in_place=in_place, op=op, dt=dt):
                     mine = ins[rk.rank].copy()
                     if in_place:
-                        return rk.all_reduce(mine, op=op, dtype=dt)
-                    return rk.all_reduce(mine, np.empty_like(mine), op=op, dtype=dt)
+                        return rk.all_reduce(mine, op=op, dtype=dt, algo=algo)
+                    return rk.all_reduce(mine, np.empty_like(mine), op=op, dtype=dt, algo=algo)
 
                 for r, got in enumerate(ok(run_ranks(ranks, go))):
                     assert bits(got) == want, f"{dtype} {op} count {count} rank {r}"
@@ -248,10 +249,11 @@ def test_plane_failed_mid_all_reduce_gives_identical_bits() -> None:
         lambda rk: rk.all_reduce(np.ones(100 + (rk.rank == 1), np.float32)),  # size
         lambda rk: rk.all_reduce(np.ones(100, np.float32 if rk.rank else np.int32)),  # dtype
         lambda rk: rk.all_reduce(np.ones(100, np.int32), op="max" if rk.rank else "sum"),
+        lambda rk: rk.all_reduce(np.ones(9, np.int8), algo="gather" if rk.rank else "direct"),
         lambda rk: rk.reduce(np.ones(64, np.int8), root=rk.rank % 2),  # root
         lambda rk: rk.barrier() if rk.rank else rk.all_reduce(np.ones(8, np.int8)),  # kind
     ],
-    ids=["count", "dtype", "op", "root", "kind"],
+    ids=["count", "dtype", "op", "algo", "root", "kind"],
 )
 def test_mismatch_is_an_error_on_every_rank(call) -> None:
     with mesh(3, timeout=10) as rs:

@@ -350,11 +350,15 @@ class Collectives:
         *,
         dtype: str | None = None,
         shares: Sequence[float] | None = None,
+        algo: str = "auto",
         async_op: bool = False,
     ) -> Any:
         """recv = send[0] op send[1] op ... op send[n-1] (rank order, every element).
         recv None: in place. shares: each rank's fraction of the elements it
-        reduces (the same on every rank; default equal). Returns recv."""
+        reduces (the same on every rank; default equal). algo: "direct"
+        (reduce-scatter + all-gather), "gather" (everyone sends everyone its
+        input: one exchange, for small messages) or "auto" (gather up to 16 KiB
+        without shares); every algo gives the same bits. Returns recv."""
         s = as_buffer(send, dtype, "all_reduce send", recv is None)
         r = s if recv is None else as_buffer(recv, dtype, "all_reduce recv", True)
         self._same(s, r, "all_reduce", 1)
@@ -362,14 +366,21 @@ class Collectives:
         sh = None if shares is None else tuple(float(x) for x in shares)
         if sh is not None and len(sh) != self.size:
             raise UsageError(f"all_reduce: shares has {len(sh)} entries for {self.size} ranks")
+        if algo == "auto":
+            small = s.count * s.esize <= S.GATHER_MAX_BYTES and sh is None
+            algo = "gather" if small else "direct"
+        if algo not in ("direct", "gather"):
+            raise UsageError(f"all_reduce: algo must be auto, direct or gather, got {algo!r}")
         what = f"all_reduce of {s.count} {s.dtype} ({op})"
-        key = ("all_reduce", s.count, s.esize, sh, op == "avg")
+        key = ("all_reduce", s.count, s.esize, sh, op == "avg", algo)
         n, rank, lag = self.size, self.rank, self.slots or 4
         packed = self._plan(
             key,
-            lambda: S.all_reduce(rank, n, s.count, s.esize, shares=sh, avg=op == "avg", lag=lag),
+            lambda: S.all_reduce(
+                rank, n, s.count, s.esize, shares=sh, avg=op == "avg", lag=lag, algo=algo
+            ),
         )
-        sig = signature("all_reduce", s.count, s.dtype, op, sh)
+        sig = signature("all_reduce", s.count, s.dtype, op, sh, algo)
         out = send if recv is None else recv
         return self._submit(
             what, lambda: self._do(what, packed, s, r, s.dtype, code, sig, out), async_op

@@ -299,6 +299,7 @@ def all_reduce(
     shares: Sequence[float] | None = None,
     avg: bool = False,
     lag: int = 4,
+    algo: str = "direct",
 ) -> Schedule:
     """Direct all_reduce: reduce-scatter to owners (each reduces the raw
     contributions in rank order), then all-gather of the owners' shares.
@@ -308,6 +309,10 @@ def all_reduce(
     executor's ring depth (slots), so that the all-gather of chunk i is sent
     as the reduce-scatter of chunk i + lag frees the ring."""
     nbytes = count * esize
+    if algo == "gather":
+        return _all_reduce_gather(rank, n, nbytes, avg)
+    if algo != "direct":
+        raise UsageError(f"all_reduce algorithm must be direct or gather, got {algo!r}")
     sch = Schedule("all_reduce", rank, n, nbytes, nbytes)
     if n == 1:
         sch.reduce(Ref(BUF_RECV, 0), [Ref(BUF_SEND, 0)], nbytes, (), avg)
@@ -323,6 +328,28 @@ def all_reduce(
         # In place, recv[share k] is also what this rank is sending to k.
         ln = (b[k + 1] - b[k]) * esize
         sch.recv(k, Ref(BUF_RECV, b[k] * esize), ln, [rs_sends[k]], lag)
+    return sch
+
+
+GATHER_MAX_BYTES = 16 << 10  # all_reduce below this: one exchange instead of two
+
+
+def _all_reduce_gather(rank: int, n: int, nbytes: int, avg: bool) -> Schedule:
+    """Small all_reduce: every rank sends its whole input to every other and
+    reduces all n in rank order itself. One dependent exchange instead of two
+    (latency), (n-1) x the bytes (nothing at these sizes); the same bits as
+    "direct", since each element is still reduced in rank order."""
+    sch = Schedule("all_reduce_gather", rank, n, nbytes, nbytes)
+    rings: dict[int, Ref] = {}
+    recvs, sends = [], []
+    for d in range(1, n):
+        sends.append(sch.send((rank + d) % n, Ref(BUF_SEND, 0), nbytes))
+        k = (rank - d) % n
+        rings[k] = sch.ring()
+        recvs.append(sch.recv(k, rings[k], nbytes))
+    srcs = [Ref(BUF_SEND, 0) if i == rank else rings[i] for i in range(n)]
+    # In place the destination is the buffer being sent: wait for the sends.
+    sch.reduce(Ref(BUF_RECV, 0), srcs, nbytes, recvs + sends, avg)
     return sch
 
 
