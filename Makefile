@@ -13,7 +13,7 @@ PYDEPS := meson-python meson ninja Cython click rich numpy pytest ruff scapy pyr
 TORCH  := $(VENV)/.torch-stamp
 TORCH_PIN := torch==2.13.0
 
-.PHONY: all build demo test test-py test-c asan fuzz-short lint sysdeps bench clean
+.PHONY: all build demo test test-py test-c asan fuzz-short lint sysdeps bench gpu-check clean
 
 all: build
 
@@ -76,6 +76,11 @@ lint: $(DEPS)
 
 bench: build sysdeps
 	$(PY) benchmarks/loopback_bw.py
+
+# On a machine with a CUDA device and torch (a lent GPU machine): builds mrc in-tree
+# with meson, runs the GPU tests and the GPU benchmark (tools/gpu_check.sh).
+gpu-check:
+	tools/gpu_check.sh
 
 clean:
 	rm -rf build builddir src_c/build

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from mrc import _datapath
+from mrc import gpu as _gpu
 from mrc._datapath import CollExecutor, strerror
 from mrc.collectives import schedule as S
 from mrc.errors import CollectiveError, TimeoutError, UsageError
@@ -311,7 +312,11 @@ class Collectives:
     def _submit(self, what: str, fn: Callable[[], Any], async_op: bool) -> Any:
         """Runs fn now, or on the worker thread behind earlier async operations."""
         with self._coll_qlock:
-            if not async_op and self._coll_queued == 0:
+            # On the worker thread itself (a staged device collective runs its
+            # host collectives from there), a blocking call runs now: queued
+            # behind the job that makes it, it would wait for itself.
+            on_worker = threading.current_thread() is self._coll_worker
+            if not async_op and (self._coll_queued == 0 or on_worker):
                 inline = True
             else:
                 inline = False
@@ -359,6 +364,9 @@ class Collectives:
         (reduce-scatter + all-gather), "gather" (everyone sends everyone its
         input: one exchange, for small messages) or "auto" (gather up to 16 KiB
         without shares); every algo gives the same bits. Returns recv."""
+        if _gpu.is_device(send, recv):
+            return _gpu.collective(self, "all_reduce", send=send, recv=recv, op=op, dtype=dtype,
+                                   shares=shares, algo=algo, async_op=async_op)  # fmt: skip
         s = as_buffer(send, dtype, "all_reduce send", recv is None)
         r = s if recv is None else as_buffer(recv, dtype, "all_reduce recv", True)
         self._same(s, r, "all_reduce", 1)
@@ -398,6 +406,9 @@ class Collectives:
     ) -> Any:
         """The all_reduce result on root only (recv None: in place there); other
         ranks' recv is not written. Returns recv (root) or None."""
+        if _gpu.is_device(send, recv):
+            return _gpu.collective(self, "reduce", send=send, recv=recv, op=op, root=root,
+                                   dtype=dtype, async_op=async_op)  # fmt: skip
         self._check_root(root, "reduce")
         s = as_buffer(send, dtype, "reduce send", recv is None and self.rank == root)
         r: _Buf | None = None
@@ -421,6 +432,9 @@ class Collectives:
         self, buf: Any, root: int = 0, *, dtype: str | None = None, async_op: bool = False
     ) -> Any:
         """Root's buf to every rank's buf. Returns buf."""
+        if _gpu.is_device(buf):
+            return _gpu.collective(self, "broadcast", buf=buf, root=root, dtype=dtype,
+                                   async_op=async_op)  # fmt: skip
         self._check_root(root, "broadcast")
         b = as_buffer(buf, dtype, "broadcast buf", self.rank != root)
         what = f"broadcast of {b.count} {b.dtype} (root {root})"
@@ -438,6 +452,9 @@ class Collectives:
         self, send: Any, recv: Any, *, dtype: str | None = None, async_op: bool = False
     ) -> Any:
         """recv[k * len(send):(k+1) * len(send)] = rank k's send. Returns recv."""
+        if _gpu.is_device(send, recv):
+            return _gpu.collective(self, "all_gather", send=send, recv=recv, dtype=dtype,
+                                   async_op=async_op)  # fmt: skip
         s = as_buffer(send, dtype, "all_gather send", False)
         r = as_buffer(recv, dtype, "all_gather recv", True)
         self._same(s, r, "all_gather", self.size)
@@ -462,6 +479,9 @@ class Collectives:
     ) -> Any:
         """recv = block `rank` of the reduction of every rank's send (n blocks of
         len(recv)). Returns recv."""
+        if _gpu.is_device(send, recv):
+            return _gpu.collective(self, "reduce_scatter", send=send, recv=recv, op=op,
+                                   dtype=dtype, async_op=async_op)  # fmt: skip
         s = as_buffer(send, dtype, "reduce_scatter send", False)
         r = as_buffer(recv, dtype, "reduce_scatter recv", True)
         self._same(r, s, "reduce_scatter", self.size)
@@ -489,6 +509,10 @@ class Collectives:
     ) -> Any:
         """Block k of send goes to rank k; block k of recv comes from rank k.
         Counts in elements (None: equal blocks). Returns recv."""
+        if _gpu.is_device(send, recv):
+            return _gpu.collective(self, "all_to_all", send=send, recv=recv,
+                                   send_counts=send_counts, recv_counts=recv_counts, dtype=dtype,
+                                   async_op=async_op)  # fmt: skip
         s = as_buffer(send, dtype, "all_to_all send", False)
         r = as_buffer(recv, dtype, "all_to_all recv", True)
         if s.dtype != r.dtype:
@@ -518,6 +542,8 @@ class Collectives:
 
     def send(self, buf: Any, peer: int, tag: int = 0, *, async_op: bool = False) -> Any:
         """buf to `peer`, whose recv(…, peer=this rank, tag) must have the same size."""
+        if _gpu.is_device(buf):
+            return _gpu.collective(self, "send", buf=buf, peer=peer, tag=tag, async_op=async_op)
         self._check_peer(peer, "send")
         b = as_buffer(buf, None, "send buf", False)
         nbytes = b.count * b.esize
@@ -531,6 +557,8 @@ class Collectives:
 
     def recv(self, buf: Any, peer: int, tag: int = 0, *, async_op: bool = False) -> Any:
         """Fills buf from `peer`'s send(…, this rank, tag). Returns buf."""
+        if _gpu.is_device(buf):
+            return _gpu.collective(self, "recv", buf=buf, peer=peer, tag=tag, async_op=async_op)
         self._check_peer(peer, "recv")
         b = as_buffer(buf, None, "recv buf", True)
         nbytes = b.count * b.esize
