@@ -67,15 +67,7 @@ uint64_t path_quick_rto(const struct path *p)
      * ACKs make rttvar tiny, and a path whose srtt is 3 ms and rttvar 6 us
      * was declared lost on a 3.1 ms silence. */
     uint64_t var = 4 * p->rttvar;
-    var = var > MRC_MIN_QUICK_RTO_NS ? var : MRC_MIN_QUICK_RTO_NS;
-    /* And at least srtt above it: on a loaded host the RTT is mostly
-     * scheduling (base 0.1 ms, srtt 2-4 ms on the 4-host fabric) and one
-     * descheduled receiver delays a path's ACKs by a few ms. With srtt + 1 ms
-     * every 64 MiB all_reduce of 4 ranks declared 100-300 packets lost that
-     * were then received twice (no drop in any qdisc or socket), and each
-     * such timeout took its path to suspect or failed. */
-    var = var > p->srtt ? var : p->srtt;
-    return p->srtt + var;
+    return p->srtt + (var > MRC_MIN_QUICK_RTO_NS ? var : MRC_MIN_QUICK_RTO_NS);
 }
 
 static int path_class(const struct path *p)
