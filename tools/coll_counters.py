@@ -4,15 +4,16 @@ Where does a collective's time go on the shaped fabric? all_reduce f32 sum with 
 under mrc-run on routing/4host-4plane-1g.toml, each SIZES (bytes, comma-separated;
 default 8,1048576,67108864) ITERS times (x30 up to 1 MiB). Prints per rank the median
 time, busbw (nccl-tests' 2(n-1)/n) and the endpoint counters that moved (lost_rto,
-lost_rack, rnr_naks, staged_msgs, and the receivers' duplicates: a packet declared lost
-that had arrived), rank 0's per-path (conn, plane, srtt us, base RTT us, cwnd KiB, lost,
-state changes); then, per host, the UDP6 counters (RcvbufErrors: socket overflow) and
-the qdisc drops of every namespace of the fabric. Drops zero with duplicates about
-lost_rto means the timeouts were spurious: slow, not lost.
+lost_rack, probe_timeouts, rnr_naks, staged_msgs, and the receivers' duplicates: a
+packet declared lost that had arrived), rank 0's per-path (conn, plane, srtt us, base
+RTT us, cwnd KiB, lost, state changes); then, per host, the UDP6 counters (RcvbufErrors:
+socket overflow) and the qdisc drops of every namespace of the fabric. Drops zero with
+duplicates about lost_rto means the timeouts were spurious: slow, not lost.
 
 Run inside a rank (by itself): coll_counters.py --rank SIZES ITERS."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FABRIC = ROOT / "routing" / "4host-4plane-1g.toml"
-KEYS = ("lost_rto", "lost_rack", "rnr_naks", "staged_msgs")
+KEYS = ("lost_rto", "lost_rack", "probe_timeouts", "rnr_naks", "staged_msgs")
 
 
 def counters(stats: dict) -> dict:
@@ -34,6 +35,12 @@ def rank_main(sizes: list[int], iters: int) -> None:
 
     import mrc
 
+    if os.environ.get("COLL_COUNTERS_PLAIN") == "1":
+        # Experiment: the endpoint's own planes (plain IPv6 routes, one path per plane, no
+        # SRH, so UDP GSO batches cross the fabric whole) instead of the route table's.
+        from mrc.collectives.communicator import Communicator
+
+        Communicator._paths_to = lambda self, rank: None  # type: ignore[method-assign]
     comm = mrc.Communicator.from_env()
     for nbytes in sizes:
         x = np.full(max(1, nbytes // 4), comm.rank + 1, np.float32)
