@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 import mrc
+from mrc.collectives.simulate import reference
 
 # 4 MiB + one element: at least DEFAULT_EXCHANGE_BYTES, so every operation is an exchange
 # point (plans from the path states of its start), and not a multiple of 4 ranks, so the
@@ -41,10 +42,9 @@ def data(rank: int) -> np.ndarray:
 
 
 def reference_sha(size: int) -> str:
-    """What a healthy run gives: the fixed rank order ((x0 + x1) + x2) + ... in float32."""
-    acc = data(0).copy()
-    for r in range(1, size):
-        acc += data(r)
+    """What a healthy run gives: the fixed rank order ((x0 + x1) + x2) + ... in float32
+    (the collectives' own numpy reference)."""
+    acc = reference([data(r) for r in range(size)], "float32", "sum")
     return hashlib.sha256(acc.tobytes()).hexdigest()
 
 
