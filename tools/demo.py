@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -221,7 +222,7 @@ def collectives(fab: Any | None) -> bool:
     if fab is None:
         cmd.append("--inject")
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    watchdog = threading.Timer(LOOP_DEADLINE_S, p.kill)
+    watchdog = threading.Timer(LOOP_DEADLINE_S, stop_hung, (p,))
     watchdog.start()
     cable = cable_of(fab, f"h{FAILED_RANK}", FAILED_PLANE) if fab is not None else ""
     finals: dict[int, dict[str, Any]] = {}
@@ -243,7 +244,10 @@ def collectives(fab: Any | None) -> bool:
                 continue
             if not text.startswith("{"):
                 continue
-            ev = json.loads(text)
+            try:
+                ev = json.loads(text)
+            except ValueError:
+                continue  # some other line that starts with a brace
             if "hashes" in ev:
                 finals[rank] = ev
             elif ev.get("event") == "inject":
@@ -273,6 +277,17 @@ def collectives(fab: Any | None) -> bool:
             p.kill()
             p.wait()
     return loop_verdict(rc, finals, rows, ref, mismatches, tail)
+
+
+def stop_hung(p: subprocess.Popen[str]) -> None:
+    """The loop stopped: interrupt mrc-run, which stops its ranks (they run in sessions of
+    their own, so killing mrc-run alone would leave them behind), then kill it."""
+    console.print(f"[red]the loop has not ended after {LOOP_DEADLINE_S:.0f} s: stopping it[/]")
+    p.send_signal(signal.SIGINT)
+    try:
+        p.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        p.kill()
 
 
 def show_op(ev: dict[str, Any], ref: str) -> bool:
