@@ -15,6 +15,7 @@ class PathLike(Protocol):
 
 def strerror(rc: int) -> str: ...
 def error_for(rc: int, what: str) -> errors.MrcError: ...
+def hostport(addr: str, port: int) -> str: ...
 
 class RemoteRegion:
     key: int
@@ -42,7 +43,7 @@ class Endpoint:
     def listen(self, port: int = ..., addr: str | None = ...) -> int: ...
     def connect(
         self,
-        addr: str,
+        addr: str | Sequence[str],
         port: int,
         *,
         timeout: float | None = ...,

@@ -1,4 +1,4 @@
-# cython: language_level=3
+# cython: language_level=3, embedsignature=True
 """Thin binding of the C datapath (src_c). Every blocking call releases the GIL;
 nothing here runs per packet."""
 
@@ -9,7 +9,11 @@ from libc.string cimport memset, strncpy
 
 cimport mrc._mrc as c
 
+import ipaddress
+import os
+import socket
 import struct
+import time
 import weakref
 
 from mrc import errors
@@ -28,6 +32,7 @@ _ERRORS = {
     c.MRC_EUNREACH: errors.UnreachableError,
     c.MRC_EUSAGE: errors.UsageError,
     c.MRC_ENOBUFS: errors.MrcError,
+    c.MRC_ENOTMRC: errors.ProtocolError,
 }
 
 _OP_KINDS = {c.MRC_OP_WRITE: "write", c.MRC_OP_SEND: "send", c.MRC_OP_RECV: "recv"}
@@ -65,6 +70,71 @@ cdef _copy_str(char *dst, str s, int size, what):
     if len(b) >= size:
         raise errors.UsageError(f"{what} too long: {s!r}")
     strncpy(dst, b, size)
+
+
+def hostport(addr: str, port: int) -> str:
+    """addr:port, with IPv6 addresses in brackets ([::1]:80)."""
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
+def _ip_literal(addr: str, what: str) -> None:
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        raise errors.UsageError(f"{what}: {addr!r} is not an IPv4 or IPv6 address") from None
+
+
+def _resolve(names: list) -> list:
+    """IP literals as they are; host names through the resolver (every address,
+    so they race like planes)."""
+    if not names:
+        raise errors.UsageError("connect: no address given")
+    out = []
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise errors.UsageError(f"connect: addresses are strings, got {name!r}")
+        try:
+            ipaddress.ip_address(name)
+            found = [name]
+        except ValueError:
+            try:
+                infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+            except socket.gaierror as e:
+                raise errors.UnreachableError(
+                    f"Failed to connect to {name}: cannot resolve host name {name!r}: "
+                    f"{e.strerror}") from None
+            found = [i[4][0] for i in infos]
+        out += [a for a in found if a not in out]
+    if len(out) > c.MRC_MAX_PLANES:
+        raise errors.UsageError(
+            f"connect: at most {c.MRC_MAX_PLANES} addresses, got {len(out)}: {', '.join(out)}")
+    return out
+
+
+def _connect_error(int rc, given, list addrs, int port, timeout, list errs):
+    where = given if isinstance(given, str) else ", ".join(addrs)
+    if isinstance(given, str) and addrs != [given]:
+        where = f"{given} ({', '.join(addrs)})"
+    what = f"Failed to connect to {where} port {port}"
+    if rc == c.MRC_EUNREACH:
+        tried = "; ".join(f"{hostport(a, port)}: {os.strerror(-e) if e < 0 else 'no answer'}"
+                          for a, e in zip(addrs, errs))
+        exc = errors.UnreachableError(f"{what}: peer unreachable (tried {tried})")
+    elif rc == c.MRC_ENOTMRC:
+        exc = errors.ProtocolError(
+            f"{what}: not an mrc endpoint (the port answered in another protocol)")
+    elif rc == c.MRC_ETIMEOUT:
+        exc = errors.TimeoutError(
+            f"{what}: the port accepted a TCP connection but sent no mrc hello within "
+            f"{timeout} s (is it an mrc endpoint?)")
+    elif rc == c.MRC_EPROTO:
+        exc = errors.ProtocolError(
+            f"{what}: the peer hung up or sent an invalid hello during set-up "
+            "(another mrc version?)")
+    else:
+        return error_for(rc, what)
+    exc.code = rc
+    return exc
 
 
 class RemoteRegion:
@@ -156,64 +226,102 @@ cdef class Endpoint:
             raise errors.ConnectionClosedError("endpoint is closed")
         return self.ep
 
-    def listen(self, int port=0, str addr=None) -> int:
-        """Accept connections on TCP `port` (0: any) of `addr` (default: plane 0).
-        Returns the port."""
+    def listen(self, port: int = 0, addr: str | None = None) -> int:
+        """Accept connections on TCP `port` (0: an ephemeral one) of `addr`, by
+        default of every plane's address (one port for all), so a client gets
+        through while any plane is up. Returns the port."""
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise errors.UsageError(f"listen: port must be 0..65535 (0: any), got {port!r}")
+        if addr:
+            _ip_literal(addr, "listen")
         cdef uint16_t bound = 0
         cdef int rc
         cdef c.mrc_ep *ep = self._ptr()
+        cdef uint16_t p = port
         b = addr.encode() if addr else b""
-        cdef const char *a = b  # empty: plane 0
+        cdef const char *a = b  # empty: every plane
         with nogil:
-            rc = c.mrc_ep_listen(ep, a, port, &bound)
-        check(rc, lambda: f"Failed to listen on {addr or self.planes[0][0]} port {port}")
+            rc = c.mrc_ep_listen(ep, a, p, &bound)
+        where = addr or ", ".join(sorted({pa for pa, _ in self.planes}))
+        check(rc, lambda: f"Failed to listen on {where} port {port}")
         return bound
 
-    def connect(self, str addr, int port, *, timeout=5.0, paths=None, str name="") -> Connection:
-        """Connect to an endpoint listening on addr:port. `paths` (optional) is a
-        list of objects with id, plane, dst_addr and segments (mrc.routing.Path)."""
+    def connect(self, addr, port: int, *, timeout=5.0, paths=None, str name="") -> Connection:
+        """Connect to an endpoint listening on `port` of `addr`: an IP address, a
+        host name (resolved here), or a list of them (the server's planes: TCP
+        connects to all of them race and the first to answer carries the set-up).
+        `paths` (optional) is a list of objects with id, plane, dst_addr and
+        segments (mrc.routing.Path)."""
+        if not isinstance(port, int) or not 1 <= port <= 65535:
+            raise errors.UsageError(f"connect: port must be 1..65535, got {port!r}")
+        addrs = _resolve([addr] if isinstance(addr, str) else list(addr))
         cdef c.mrc_ep *ep = self._ptr()
         cdef c.mrc_conn *cp = NULL
         check(c.mrc_conn_create(ep, name.encode(), &cp), "Failed to create a connection")
         conn = Connection._wrap(self, cp)
         if paths:
-            conn._add_paths(paths)
+            try:
+                conn._add_paths(paths)
+            except BaseException:
+                conn.close()
+                raise
         cdef int rc
         cdef int ms = _ms(timeout)
-        b = addr.encode()
-        cdef const char *a = b
+        cdef int n = len(addrs)
+        cdef uint16_t p = port
+        cdef const char *av[16]
+        cdef int errs[16]
+        enc = [a.encode() for a in addrs]
+        for i in range(n):
+            av[i] = enc[i]
+            errs[i] = 0
         with nogil:
-            rc = c.mrc_conn_connect(cp, a, port, ms)
+            rc = c.mrc_conn_connect_any(cp, av, n, p, ms, errs)
         if rc:
             conn.close()
-            raise error_for(rc, f"Failed to connect to {addr} port {port}")
+            raise _connect_error(rc, addr, addrs, port, timeout,
+                                 [errs[i] for i in range(n)])
         return conn
 
     def accept(self, *, timeout=None, paths=None) -> Connection:
-        """Wait for one connection. `paths` may be a list (as for connect) or a
-        callable taking the peer's name and returning that list."""
+        """Wait up to `timeout` seconds (None: forever) for one connection.
+        `paths` may be a list (as for connect) or a callable taking the peer's
+        name and returning that list. A client that hangs up or stalls during
+        its set-up is dropped and the wait goes on."""
         cdef c.mrc_ep *ep = self._ptr()
         cdef c.mrc_conn *cp = NULL
         cdef int rc
-        cdef int ms = _ms(timeout)
-        with nogil:
-            rc = c.mrc_ep_accept(ep, ms, &cp)
-        if rc == c.MRC_ETIMEOUT:
-            raise errors.TimeoutError(f"no peer connected within {timeout} s")
-        check(rc, "Failed to accept a connection")
-        conn = Connection._wrap(self, cp)
-        if callable(paths):
-            paths = paths(conn.peer_name)
-        try:
-            if paths:
-                conn._add_paths(paths)
+        cdef int ms
+        # The rest of the set-up (our hello, the client's ready) gets the
+        # endpoint's timeout, not what is left of the wait for a client.
+        cdef int hs_ms = _ms(self.timeout)
+        deadline = None if timeout is None else time.monotonic() + _ms(timeout) / 1000.0
+        dropped = []
+        while True:
+            ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
             with nogil:
-                rc = c.mrc_conn_establish(cp, ms)
-            check(rc, lambda: f"Failed to establish a connection with {conn.peer_name or 'peer'}")
-        except BaseException:
+                rc = c.mrc_ep_accept(ep, ms, &cp)
+            if rc == c.MRC_ETIMEOUT:
+                why = f" ({len(dropped)} dropped during set-up, last: {dropped[-1]})" if dropped else ""
+                raise errors.TimeoutError(f"no peer connected within {timeout} s{why}")
+            if rc == c.MRC_EUSAGE:
+                raise errors.UsageError("accept() before listen(): call listen() first")
+            check(rc, "Failed to accept a connection")
+            conn = Connection._wrap(self, cp)
+            try:
+                if callable(paths):
+                    paths = paths(conn.peer_name)
+                if paths:
+                    conn._add_paths(paths)
+            except BaseException:
+                conn.close()
+                raise
+            with nogil:
+                rc = c.mrc_conn_establish(cp, hs_ms)
+            if rc == 0:
+                return conn
+            dropped.append(f"{conn.peer_name or 'a client'}: {strerror(rc)}")
             conn.close()
-            raise
-        return conn
 
     def register(self, obj, *, bint remote_write=True) -> MemoryRegion:
         """Register a writable buffer (bytearray, numpy array, memoryview...).

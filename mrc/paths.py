@@ -32,14 +32,18 @@ class FabricEndpoint:
         return paths(self.fabric, self.host, peer, self.failed)
 
     def listen(self, port: int = 0) -> int:
-        """Listen for connection hellos on this host's plane 0 address."""
+        """Listen for connection hellos on every plane address of this host."""
         return self.endpoint.listen(port)
 
     def connect(self, peer: str, port: int, timeout: float | None = 5.0) -> Connection:
-        """Connect to `peer` (a host name of the fabric) listening on `port`."""
-        dst = host_planes(self.fabric, peer)[0]
+        """Connect to `peer` (a host name of the fabric) listening on `port`: the set-up
+        races over every plane of the peer, so it works while any plane is up."""
         return self.endpoint.connect(
-            dst, port, timeout=timeout, paths=self.paths_to(peer), name=self.host
+            host_planes(self.fabric, peer),
+            port,
+            timeout=timeout,
+            paths=self.paths_to(peer),
+            name=self.host,
         )
 
     def accept(self, timeout: float | None = None) -> Connection:

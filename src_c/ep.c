@@ -33,6 +33,7 @@ const char *mrc_strerror(int rc)
     case MRC_EUSAGE: return "invalid argument";
     case MRC_EREMOTE: return "connection failed after a remote access error";
     case MRC_ENOBUFS: return "table full";
+    case MRC_ENOTMRC: return "not an mrc endpoint (it answered in another protocol)";
     default: return rc < 0 && rc > -4096 ? strerror(-rc) : "unknown error";
     }
 }
@@ -157,7 +158,7 @@ int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out)
     if (!ep->cfg.max_unexpected)
         ep->cfg.max_unexpected = 64ull << 20;
     ep->nplanes = cfg->nplanes;
-    ep->epfd = ep->evfd = ep->listen_fd = ep->nl_fd = -1;
+    ep->epfd = ep->evfd = ep->nl_fd = -1;
     ep->rng = rand_u64() | 1;
     for (uint32_t i = 1; i < MRC_SLOTS; i++) { /* slot 0 unused: ids are never 0 */
         ep->conn_free[ep->nconn_free++] = MRC_SLOTS - i;
@@ -238,8 +239,7 @@ void mrc_ep_destroy(mrc_ep *ep)
         close(ep->socks[i]->fd);
         free(ep->socks[i]);
     }
-    if (ep->listen_fd >= 0)
-        close(ep->listen_fd);
+    hs_free(ep);
     if (ep->nl_fd >= 0)
         close(ep->nl_fd);
     close(ep->epfd);

@@ -1,6 +1,8 @@
 /*
- * handshake.c - connection set-up: a small out-of-band TCP exchange on the
- * first plane, so no external service is needed.
+ * handshake.c - connection set-up: a small out-of-band TCP exchange, so no
+ * external service is needed. The server listens on every plane and the
+ * client races a TCP connect to every address it was given (the server's
+ * planes), so set-up works while any plane is up.
  *
  *   client                         server
  *   hello(conn id, planes, psn) -->
@@ -252,64 +254,136 @@ static int conn_activate(mrc_conn *c)
     return ep_ctl(c->ep, &x);
 }
 
-static int map_connect_errno(int e)
+static void sa_set_port(struct sockaddr_storage *sa, uint16_t port)
 {
-    switch (e) {
-    case ECONNREFUSED:
-    case EHOSTUNREACH:
-    case ENETUNREACH:
-    case ETIMEDOUT:
-        return MRC_EUNREACH;
-    default:
-        return -e;
-    }
+    if (sa->ss_family == AF_INET)
+        ((struct sockaddr_in *)sa)->sin_port = htons(port);
+    else
+        ((struct sockaddr_in6 *)sa)->sin6_port = htons(port);
 }
 
-int mrc_conn_connect(mrc_conn *c, const char *addr, uint16_t port, int timeout_ms)
+/* Reads the peer's hello, its magic first: a peer that speaks another
+ * protocol (an SSH banner, an HTTP error page) is told apart at once instead
+ * of after the timeout. */
+static int hello_read(int fd, struct hello *h, uint64_t deadline)
 {
-    if (c->state != CONN_NEW || c->hs_fd >= 0)
-        return MRC_EUSAGE;
-    struct sockaddr_storage sa;
-    socklen_t sl;
-    if (addr_parse(addr, port, &sa, &sl))
-        return MRC_EUSAGE;
-    uint64_t dl = deadline_of(timeout_ms);
-    int fd = socket(sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-        return -errno;
-    int rc;
-    /* From the first plane's address, so the peer sees who we are. */
-    struct sockaddr_storage src = c->ep->planes[0].addr;
-    if (src.ss_family == sa.ss_family) {
-        ((struct sockaddr_in *)&src)->sin_port = 0; /* same offset for v6 */
-        if (src.ss_family == AF_INET6)
-            ((struct sockaddr_in6 *)&src)->sin6_port = 0;
-        if (bind(fd, (struct sockaddr *)&src, sl) < 0) {
-            rc = -errno;
-            goto out;
+    int rc = io_all(fd, h, sizeof(h->magic), false, deadline);
+    if (rc)
+        return rc;
+    if (h->magic != HELLO_MAGIC)
+        return MRC_ENOTMRC;
+    return io_all(fd, (uint8_t *)h + sizeof(h->magic), sizeof(*h) - sizeof(h->magic), false,
+                  deadline);
+}
+
+/* Starts a non-blocking TCP connect to every address at once; returns the
+ * first socket that connects (the others are closed), or -1 with errs[]
+ * saying why each failed. The source address is left to the kernel, which
+ * picks the interface that routes to that destination: binding plane 0's
+ * address would send every attempt through plane 0, down or not. */
+static int connect_race(const struct sockaddr_storage *sa, const socklen_t *sl, int n,
+                        uint64_t dl, int *errs)
+{
+    int fds[MRC_MAX_PLANES];
+    int live = 0, win = -1;
+    for (int i = 0; i < n; i++) {
+        fds[i] = socket(sa[i].ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+        if (fds[i] < 0) {
+            errs[i] = -errno;
+            continue;
+        }
+        if (connect(fds[i], (const struct sockaddr *)&sa[i], sl[i]) < 0 && errno != EINPROGRESS) {
+            errs[i] = -errno;
+            close(fds[i]);
+            fds[i] = -1;
+            continue;
+        }
+        live++;
+    }
+    while (live && win < 0) {
+        uint64_t now = now_ns();
+        if (now >= dl)
+            break;
+        struct pollfd pf[MRC_MAX_PLANES];
+        int idx[MRC_MAX_PLANES], np = 0;
+        for (int i = 0; i < n; i++)
+            if (fds[i] >= 0) {
+                pf[np] = (struct pollfd){.fd = fds[i], .events = POLLOUT};
+                idx[np++] = i;
+            }
+        int r = poll(pf, (nfds_t)np, (int)((dl - now + 999999) / 1000000ull));
+        if (r < 0 && errno != EINTR) {
+            for (int k = 0; k < np; k++)
+                errs[idx[k]] = -errno;
+            break;
+        }
+        for (int k = 0; k < np && r > 0; k++) {
+            int i = idx[k];
+            if (!pf[k].revents)
+                continue;
+            int soerr = 0;
+            socklen_t el = sizeof(soerr);
+            getsockopt(fds[i], SOL_SOCKET, SO_ERROR, &soerr, &el);
+            if (!soerr && win < 0) {
+                win = i;
+                continue;
+            }
+            if (soerr) {
+                errs[i] = -soerr;
+                close(fds[i]);
+                fds[i] = -1;
+                live--;
+            }
         }
     }
-    if (connect(fd, (struct sockaddr *)&sa, sl) < 0 && errno != EINPROGRESS) {
-        rc = map_connect_errno(errno);
-        goto out;
+    int fd = -1;
+    for (int i = 0; i < n; i++) {
+        if (fds[i] < 0)
+            continue;
+        if (i == win) {
+            fd = fds[i];
+        } else {
+            if (win < 0)
+                errs[i] = -ETIMEDOUT; /* no answer within the timeout */
+            close(fds[i]);
+        }
     }
-    rc = io_wait(fd, POLLOUT, dl);
-    if (rc) {
-        rc = rc == MRC_ETIMEOUT ? MRC_EUNREACH : rc;
-        goto out;
+    return fd;
+}
+
+int mrc_conn_connect_any(mrc_conn *c, const char *const *addrs, int naddrs, uint16_t port,
+                         int timeout_ms, int *errs)
+{
+    int scratch[MRC_MAX_PLANES];
+    if (!errs)
+        errs = scratch;
+    if (c->state != CONN_NEW || c->hs_fd >= 0 || naddrs < 1 || naddrs > MRC_MAX_PLANES ||
+        port == 0)
+        return MRC_EUSAGE;
+    struct sockaddr_storage sa[MRC_MAX_PLANES];
+    socklen_t sl[MRC_MAX_PLANES];
+    int bad = 0;
+    for (int i = 0; i < naddrs; i++) {
+        errs[i] = addr_parse(addrs[i], port, &sa[i], &sl[i]);
+        bad |= errs[i];
     }
-    int soerr = 0;
-    socklen_t el = sizeof(soerr);
-    getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &el);
-    if (soerr) {
-        rc = map_connect_errno(soerr);
-        goto out;
-    }
+    if (bad)
+        return MRC_EUSAGE;
+    uint64_t dl = deadline_of(timeout_ms);
+    int fd = connect_race(sa, sl, naddrs, dl, errs);
+    if (fd < 0)
+        return MRC_EUNREACH;
     struct hello mine, theirs;
     hello_fill(c, &mine);
-    if ((rc = io_all(fd, &mine, sizeof(mine), true, dl)) ||
-        (rc = io_all(fd, &theirs, sizeof(theirs), false, dl)) ||
-        (rc = hello_apply(c, &theirs)) || (rc = conn_activate(c)))
+    int rc;
+    if ((rc = io_all(fd, &mine, sizeof(mine), true, dl)) || (rc = hello_read(fd, &theirs, dl)))
+        goto out;
+    /* An echo service returns our own hello. */
+    if (theirs.conn_id == mine.conn_id && theirs.init_psn == mine.init_psn) {
+        rc = MRC_ENOTMRC;
+        goto out;
+    }
+    if ((rc = hello_apply(c, &theirs)) || (rc = conn_activate(c)))
         goto out;
     uint8_t ready = READY_BYTE;
     rc = io_all(fd, &ready, 1, true, dl);
@@ -318,64 +392,266 @@ out:
     return rc;
 }
 
+int mrc_conn_connect(mrc_conn *c, const char *addr, uint16_t port, int timeout_ms)
+{
+    return mrc_conn_connect_any(c, &addr, 1, port, timeout_ms, NULL);
+}
+
+/* ---- the server side ------------------------------------------------------
+ * Accepted sockets wait in a pending table until their hello is complete;
+ * each accept call serves every pending socket and the listening ones in one
+ * poll. So a client that connects and sends nothing, sends slowly, or goes
+ * away costs the next accept nothing, and a hello that straddles the end of
+ * one accept call's timeout is finished by the next call instead of being
+ * dropped (the cause of the intermittent "protocol mismatch": the hello read
+ * shared the accept's deadline, and a server looping on accept(0.5) closed
+ * half-read clients). A pending socket is dropped after the endpoint's
+ * timeout. */
+#define HS_PENDING_MAX 256
+#define HS_SLICE_NS 50000000ull /* hs->lock is let go this often during an accept */
+
+struct hs_pending {
+    int fd;
+    uint64_t deadline;
+    size_t got;
+    struct hello h;
+};
+
+struct hs_state {
+    pthread_mutex_t lock; /* one accept or listen at a time */
+    int nlisten;
+    int listen_fds[MRC_MAX_PLANES];
+    uint16_t port;
+    int npend;
+    struct hs_pending pend[HS_PENDING_MAX];
+};
+
+static struct hs_state *hs_get(mrc_ep *ep)
+{
+    pthread_mutex_lock(&ep->lock);
+    if (!ep->hs) {
+        ep->hs = calloc(1, sizeof(*ep->hs));
+        if (ep->hs)
+            pthread_mutex_init(&ep->hs->lock, NULL);
+    }
+    struct hs_state *hs = ep->hs;
+    pthread_mutex_unlock(&ep->lock);
+    return hs;
+}
+
+void hs_free(mrc_ep *ep)
+{
+    struct hs_state *hs = ep->hs;
+    if (!hs)
+        return;
+    for (int i = 0; i < hs->nlisten; i++)
+        close(hs->listen_fds[i]);
+    for (int i = 0; i < hs->npend; i++)
+        close(hs->pend[i].fd);
+    pthread_mutex_destroy(&hs->lock);
+    free(hs);
+    ep->hs = NULL;
+}
+
+static void close_all(int *fds, int n)
+{
+    for (int i = 0; i < n; i++)
+        close(fds[i]);
+}
+
+/* Binds and listens on every address with one port (the first socket's, when
+ * port is 0). */
+static int listen_all(struct sockaddr_storage *sa, const socklen_t *sl, int n, uint16_t port,
+                      int *fds, uint16_t *bound)
+{
+    for (int i = 0; i < n; i++) {
+        sa_set_port(&sa[i], i ? *bound : port);
+        fds[i] = socket(sa[i].ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+        int one = 1;
+        if (fds[i] < 0 || setsockopt(fds[i], SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 ||
+            bind(fds[i], (struct sockaddr *)&sa[i], sl[i]) < 0 || listen(fds[i], 256) < 0) {
+            int rc = -errno;
+            close_all(fds, fds[i] < 0 ? i : i + 1);
+            return rc;
+        }
+        if (i == 0) {
+            struct sockaddr_storage got;
+            socklen_t gl = sizeof(got);
+            getsockname(fds[0], (struct sockaddr *)&got, &gl);
+            *bound = ntohs(got.ss_family == AF_INET ? ((struct sockaddr_in *)&got)->sin_port
+                                                    : ((struct sockaddr_in6 *)&got)->sin6_port);
+        }
+    }
+    return 0;
+}
+
 int mrc_ep_listen(mrc_ep *ep, const char *addr, uint16_t port, uint16_t *bound_port)
 {
-    struct sockaddr_storage sa;
-    socklen_t sl;
-    char a0[MRC_ADDR_STRLEN];
-    if (!addr || !*addr) {
-        addr_format(&ep->planes[0].addr, a0, sizeof(a0));
-        addr = a0;
+    struct sockaddr_storage sa[MRC_MAX_PLANES];
+    socklen_t sl[MRC_MAX_PLANES];
+    int n = 0;
+    if (addr && *addr) {
+        if (addr_parse(addr, port, &sa[0], &sl[0]))
+            return MRC_EUSAGE;
+        n = 1;
+    } else {
+        /* Every plane, so a client reaches us while any plane is up. */
+        for (int i = 0; i < ep->nplanes; i++) {
+            int j;
+            for (j = 0; j < n; j++)
+                if (addr_same_host(&sa[j], &ep->planes[i].addr))
+                    break;
+            if (j < n)
+                continue;
+            sa[n] = ep->planes[i].addr;
+            sl[n++] = ep->planes[i].addrlen;
+        }
     }
-    if (addr_parse(addr, port, &sa, &sl))
-        return MRC_EUSAGE;
-    int fd = socket(sa.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-        return -errno;
-    int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, (struct sockaddr *)&sa, sl) < 0 || listen(fd, 128) < 0) {
-        int rc = -errno;
-        close(fd);
+    int fds[MRC_MAX_PLANES];
+    uint16_t bound = 0;
+    int rc = listen_all(sa, sl, n, port, fds, &bound);
+    /* An ephemeral port of the first plane may be taken on another one. */
+    for (int tries = 0; rc == -EADDRINUSE && port == 0 && n > 1 && tries < 16; tries++)
+        rc = listen_all(sa, sl, n, port, fds, &bound);
+    if (rc)
+        return rc;
+    struct hs_state *hs = hs_get(ep);
+    if (!hs) {
+        close_all(fds, n);
+        return -ENOMEM;
+    }
+    pthread_mutex_lock(&hs->lock);
+    close_all(hs->listen_fds, hs->nlisten);
+    memcpy(hs->listen_fds, fds, sizeof(int) * (size_t)n);
+    hs->nlisten = n;
+    hs->port = bound;
+    pthread_mutex_unlock(&hs->lock);
+    if (bound_port)
+        *bound_port = bound;
+    return 0;
+}
+
+static void pend_drop(struct hs_state *hs, int j, bool close_fd)
+{
+    if (close_fd)
+        close(hs->pend[j].fd);
+    hs->pend[j] = hs->pend[--hs->npend];
+}
+
+/* 1: the hello is complete; 0: more to come; -1: drop it (hung up, not mrc). */
+static int pend_read(struct hs_pending *p)
+{
+    ssize_t n = recv(p->fd, (uint8_t *)&p->h + p->got, sizeof(p->h) - p->got, MSG_DONTWAIT);
+    if (n == 0)
+        return -1;
+    if (n < 0)
+        return errno == EAGAIN || errno == EINTR ? 0 : -1;
+    p->got += (size_t)n;
+    if (p->got >= sizeof(p->h.magic) && p->h.magic != HELLO_MAGIC)
+        return -1;
+    return p->got == sizeof(p->h);
+}
+
+/* A complete hello: 0 and *out, or drops the socket (-EAGAIN: keep going)
+ * or fails the accept (a full connection table). */
+static int pend_finish(mrc_ep *ep, struct hs_state *hs, int j, mrc_conn **out)
+{
+    mrc_conn *c;
+    int rc = mrc_conn_create(ep, "", &c);
+    if (rc) {
+        pend_drop(hs, j, true);
         return rc;
     }
-    socklen_t bl = sizeof(sa);
-    getsockname(fd, (struct sockaddr *)&sa, &bl);
-    if (bound_port)
-        *bound_port = ntohs(((struct sockaddr_in *)&sa)->sin_port);
-    pthread_mutex_lock(&ep->lock);
-    int old = ep->listen_fd;
-    ep->listen_fd = fd;
-    pthread_mutex_unlock(&ep->lock);
-    if (old >= 0)
-        close(old);
+    c->hs_fd = hs->pend[j].fd; /* mrc_conn_destroy closes it from here on */
+    rc = hello_apply(c, &hs->pend[j].h);
+    pend_drop(hs, j, false);
+    if (rc) {
+        mrc_conn_destroy(c); /* another version: the client sees the hang-up */
+        return -EAGAIN;
+    }
+    *out = c;
     return 0;
+}
+
+static int accept_new(mrc_ep *ep, struct hs_state *hs, int lfd)
+{
+    while (hs->npend < HS_PENDING_MAX) {
+        int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED)
+                return 0;
+            return -errno;
+        }
+        struct hs_pending *p = &hs->pend[hs->npend++];
+        memset(p, 0, sizeof(*p));
+        p->fd = fd;
+        p->deadline = now_ns() + (uint64_t)ep->cfg.timeout_ms * 1000000ull;
+    }
+    return 0;
+}
+
+/* One poll of the pending and listening sockets, at most HS_SLICE_NS.
+ * 0 and *out, -EAGAIN (nothing complete yet), or an error. */
+static int accept_slice(mrc_ep *ep, struct hs_state *hs, uint64_t dl, mrc_conn **out)
+{
+    uint64_t now = now_ns();
+    for (int j = hs->npend - 1; j >= 0; j--)
+        if (now >= hs->pend[j].deadline)
+            pend_drop(hs, j, true);
+    struct pollfd pf[MRC_MAX_PLANES + HS_PENDING_MAX];
+    int nl = hs->nlisten, np = hs->npend;
+    short lev = np < HS_PENDING_MAX ? POLLIN : 0;
+    for (int i = 0; i < nl; i++)
+        pf[i] = (struct pollfd){.fd = hs->listen_fds[i], .events = lev};
+    for (int j = 0; j < np; j++)
+        pf[nl + j] = (struct pollfd){.fd = hs->pend[j].fd, .events = POLLIN};
+    uint64_t wait = dl > now ? dl - now : 0;
+    if (wait > HS_SLICE_NS)
+        wait = HS_SLICE_NS;
+    int r = poll(pf, (nfds_t)(nl + np), (int)((wait + 999999) / 1000000ull));
+    if (r < 0)
+        return errno == EINTR ? -EAGAIN : -errno;
+    /* Descending, so pend_drop's swap with the last entry only moves one
+     * already looked at. */
+    for (int j = np - 1; j >= 0 && r > 0; j--) {
+        if (!pf[nl + j].revents)
+            continue;
+        int st = pend_read(&hs->pend[j]);
+        if (st < 0)
+            pend_drop(hs, j, true);
+        else if (st > 0) {
+            int rc = pend_finish(ep, hs, j, out);
+            if (rc != -EAGAIN)
+                return rc;
+        }
+    }
+    for (int i = 0; i < nl && r > 0; i++) {
+        if (!pf[i].revents)
+            continue;
+        int rc = accept_new(ep, hs, hs->listen_fds[i]);
+        if (rc)
+            return rc;
+    }
+    return -EAGAIN;
 }
 
 int mrc_ep_accept(mrc_ep *ep, int timeout_ms, mrc_conn **out)
 {
-    if (ep->listen_fd < 0)
-        return MRC_EUSAGE;
+    pthread_mutex_lock(&ep->lock);
+    struct hs_state *hs = ep->hs;
+    pthread_mutex_unlock(&ep->lock);
+    if (!hs)
+        return MRC_EUSAGE; /* not listening */
     uint64_t dl = deadline_of(timeout_ms);
-    int rc = io_wait(ep->listen_fd, POLLIN, dl);
-    if (rc)
-        return rc;
-    int fd = accept4(ep->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0)
-        return -errno;
-    mrc_conn *c;
-    if ((rc = mrc_conn_create(ep, "", &c))) {
-        close(fd);
-        return rc;
+    for (;;) {
+        pthread_mutex_lock(&hs->lock);
+        int rc = hs->nlisten ? accept_slice(ep, hs, dl, out) : MRC_EUSAGE;
+        pthread_mutex_unlock(&hs->lock);
+        if (rc != -EAGAIN)
+            return rc;
+        if (now_ns() >= dl)
+            return MRC_ETIMEOUT;
     }
-    c->hs_fd = fd;
-    struct hello theirs;
-    if ((rc = io_all(fd, &theirs, sizeof(theirs), false, dl)) || (rc = hello_apply(c, &theirs))) {
-        mrc_conn_destroy(c);
-        return rc;
-    }
-    *out = c;
-    return 0;
 }
 
 int mrc_conn_establish(mrc_conn *c, int timeout_ms)

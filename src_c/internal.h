@@ -301,7 +301,7 @@ struct mrc_ep {
     uint32_t mr_free[MRC_SLOTS], nmr_free;
     mrc_conn *own_conns, *own_conns_tail; /* connections and regions not yet destroyed */
     mrc_mr *own_mrs, *own_mrs_tail;
-    int listen_fd;
+    struct hs_state *hs; /* [lock] listeners and pending hellos (handshake.c) */
 
     /* progress thread */
     int nsocks;
@@ -326,6 +326,8 @@ void op_complete_pt(mrc_ep *ep, mrc_op *op, int status);
 void ep_publish_pt(mrc_ep *ep);
 void conn_fail_pt(mrc_conn *c, int err, int op_err);
 void conn_free(mrc_conn *c);
+/* handshake.c */
+void hs_free(mrc_ep *ep);
 void ep_ctl_run_pt(mrc_ep *ep, struct ctl *c);
 int addr_parse(const char *s, uint16_t port, struct sockaddr_storage *ss, socklen_t *len);
 void addr_format(const struct sockaddr_storage *ss, char *buf, size_t len);
