@@ -129,8 +129,11 @@ def _connect_error(int rc, given, list addrs, int port, timeout, list errs):
             f"{timeout} s (is it an mrc endpoint?)")
     elif rc == c.MRC_EPROTO:
         exc = errors.ProtocolError(
-            f"{what}: the peer hung up or sent an invalid hello during set-up "
-            "(another mrc version?)")
+            f"{what}: the peer sent an invalid hello (another mrc version?)")
+    elif rc == c.MRC_ECLOSED:
+        exc = errors.UnreachableError(
+            f"{what}: the peer hung up during set-up every time until the timeout "
+            "(another mrc version, or its connection table is full?)")
     else:
         return error_for(rc, what)
     exc.code = rc

@@ -21,6 +21,7 @@
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -72,11 +73,11 @@ static int io_all(int fd, void *buf, size_t len, bool wr, uint64_t deadline)
         ssize_t n = wr ? send(fd, b, len, MSG_NOSIGNAL | MSG_DONTWAIT)
                        : recv(fd, b, len, MSG_DONTWAIT);
         if (n == 0)
-            return MRC_EPROTO; /* peer hung up mid-hello */
+            return MRC_ECLOSED; /* peer hung up mid-hello */
         if (n < 0) {
             if (errno == EAGAIN || errno == EINTR)
                 continue;
-            return errno == ECONNRESET ? MRC_EPROTO : -errno;
+            return errno == ECONNRESET || errno == EPIPE ? MRC_ECLOSED : -errno;
         }
         b += n;
         len -= (size_t)n;
@@ -276,17 +277,22 @@ static int hello_read(int fd, struct hello *h, uint64_t deadline)
                   deadline);
 }
 
-/* Starts a non-blocking TCP connect to every address at once; returns the
- * first socket that connects (the others are closed), or -1 with errs[]
- * saying why each failed. The source address is left to the kernel, which
- * picks the interface that routes to that destination: binding plane 0's
- * address would send every attempt through plane 0, down or not. */
+/* Starts a non-blocking TCP connect to each address in `mask` at once;
+ * returns the first socket that connects (the others are closed) and its
+ * index in *win, or -1 with errs[] saying why each failed. The source address
+ * is left to the kernel, which picks the interface that routes to that
+ * destination: binding plane 0's address would send every attempt through
+ * plane 0, down or not. */
 static int connect_race(const struct sockaddr_storage *sa, const socklen_t *sl, int n,
-                        uint64_t dl, int *errs)
+                        unsigned mask, uint64_t dl, int *errs, int *win)
 {
     int fds[MRC_MAX_PLANES];
-    int live = 0, win = -1;
+    int live = 0;
+    *win = -1;
     for (int i = 0; i < n; i++) {
+        fds[i] = -1;
+        if (!(mask & (1u << i)))
+            continue;
         fds[i] = socket(sa[i].ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
         if (fds[i] < 0) {
             errs[i] = -errno;
@@ -300,7 +306,7 @@ static int connect_race(const struct sockaddr_storage *sa, const socklen_t *sl, 
         }
         live++;
     }
-    while (live && win < 0) {
+    while (live && *win < 0) {
         uint64_t now = now_ns();
         if (now >= dl)
             break;
@@ -324,8 +330,9 @@ static int connect_race(const struct sockaddr_storage *sa, const socklen_t *sl, 
             int soerr = 0;
             socklen_t el = sizeof(soerr);
             getsockopt(fds[i], SOL_SOCKET, SO_ERROR, &soerr, &el);
-            if (!soerr && win < 0) {
-                win = i;
+            if (!soerr && *win < 0) {
+                *win = i;
+                errs[i] = 0;
                 continue;
             }
             if (soerr) {
@@ -340,16 +347,46 @@ static int connect_race(const struct sockaddr_storage *sa, const socklen_t *sl, 
     for (int i = 0; i < n; i++) {
         if (fds[i] < 0)
             continue;
-        if (i == win) {
+        if (i == *win) {
             fd = fds[i];
         } else {
-            if (win < 0)
-                errs[i] = -ETIMEDOUT; /* no answer within the timeout */
+            if (*win < 0)
+                errs[i] = -ETIMEDOUT; /* no answer within the attempt */
             close(fds[i]);
         }
     }
     return fd;
 }
+
+/* Worth another attempt: the network may come back (a plane flapping, routes
+ * being changed) or the peer dropped a stalled set-up. Refusal is an answer. */
+static bool hs_transient(int rc)
+{
+    return rc == -ENETUNREACH || rc == -EHOSTUNREACH || rc == -ENETDOWN || rc == -EHOSTDOWN ||
+           rc == -ETIMEDOUT || rc == MRC_ETIMEOUT || rc == MRC_ECLOSED;
+}
+
+/* hello, hello, ready over a connected socket. Until conn_activate nothing of
+ * c is final, so a failed exchange may be tried again on another socket. */
+static int hello_exchange(mrc_conn *c, int fd, uint64_t dl)
+{
+    struct hello mine, theirs;
+    hello_fill(c, &mine);
+    int rc;
+    if ((rc = io_all(fd, &mine, sizeof(mine), true, dl)) || (rc = hello_read(fd, &theirs, dl)))
+        return rc;
+    /* An echo service returns our own hello. */
+    if (theirs.conn_id == mine.conn_id && theirs.init_psn == mine.init_psn)
+        return MRC_ENOTMRC;
+    if ((rc = hello_apply(c, &theirs)) || (rc = conn_activate(c)))
+        return rc == MRC_ECLOSED ? -EIO : rc; /* final: not to be retried */
+    uint8_t ready = READY_BYTE;
+    rc = io_all(fd, &ready, 1, true, dl);
+    return rc == MRC_ECLOSED ? -EPIPE : rc;
+}
+
+#define HS_ATTEMPT_NS 1000000000ull /* first attempt's share of the timeout; doubles */
+#define HS_RETRY_NS 20000000ull     /* pause after every address failed at once */
 
 int mrc_conn_connect_any(mrc_conn *c, const char *const *addrs, int naddrs, uint16_t port,
                          int timeout_ms, int *errs)
@@ -369,27 +406,42 @@ int mrc_conn_connect_any(mrc_conn *c, const char *const *addrs, int naddrs, uint
     }
     if (bad)
         return MRC_EUSAGE;
-    uint64_t dl = deadline_of(timeout_ms);
-    int fd = connect_race(sa, sl, naddrs, dl, errs);
-    if (fd < 0)
-        return MRC_EUNREACH;
-    struct hello mine, theirs;
-    hello_fill(c, &mine);
-    int rc;
-    if ((rc = io_all(fd, &mine, sizeof(mine), true, dl)) || (rc = hello_read(fd, &theirs, dl)))
-        goto out;
-    /* An echo service returns our own hello. */
-    if (theirs.conn_id == mine.conn_id && theirs.init_psn == mine.init_psn) {
-        rc = MRC_ENOTMRC;
-        goto out;
+    uint64_t dl = deadline_of(timeout_ms), share = HS_ATTEMPT_NS;
+    unsigned all = (1u << naddrs) - 1, stalled = 0; /* addresses whose exchange stalled */
+    int rc = MRC_EUNREACH;
+    /* Attempts until one works or the deadline: an address whose exchange
+     * stalled (its plane went down after the TCP connect) races again only if
+     * the others fail. */
+    for (;;) {
+        uint64_t now = now_ns();
+        if (now >= dl)
+            return rc;
+        uint64_t adl = dl - now > share ? now + share : dl;
+        int win = -1, fd = -1;
+        if (stalled != all)
+            fd = connect_race(sa, sl, naddrs, all & ~stalled, adl, errs, &win);
+        if (fd < 0 && stalled)
+            fd = connect_race(sa, sl, naddrs, stalled, adl, errs, &win);
+        if (fd < 0) {
+            rc = MRC_EUNREACH;
+            bool again = false;
+            for (int i = 0; i < naddrs; i++)
+                again |= hs_transient(errs[i]);
+            if (!again)
+                return rc;
+            stalled = 0;
+            struct timespec ts = {0, (long)HS_RETRY_NS};
+            nanosleep(&ts, NULL);
+            continue;
+        }
+        rc = hello_exchange(c, fd, adl);
+        close(fd);
+        if (!rc || !hs_transient(rc))
+            return rc;
+        errs[win] = rc;
+        stalled |= 1u << win;
+        share *= 2;
     }
-    if ((rc = hello_apply(c, &theirs)) || (rc = conn_activate(c)))
-        goto out;
-    uint8_t ready = READY_BYTE;
-    rc = io_all(fd, &ready, 1, true, dl);
-out:
-    close(fd);
-    return rc;
 }
 
 int mrc_conn_connect(mrc_conn *c, const char *addr, uint16_t port, int timeout_ms)

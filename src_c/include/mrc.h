@@ -115,10 +115,13 @@ int mrc_conn_add_path(mrc_conn *c, const struct mrc_path_spec *p);
 /* port must be 1..65535; addr an IPv4 or IPv6 literal (no name resolution). */
 int mrc_conn_connect(mrc_conn *c, const char *addr, uint16_t port, int timeout_ms);
 /* Races a TCP connect to every address (the server's planes, 1..MRC_MAX_PLANES)
- * and sets the connection up over the first that answers. MRC_EUNREACH when
- * none does; errs (NULL, or naddrs entries) then holds each address's reason
- * (a -errno). MRC_ENOTMRC: the port answered in another protocol;
- * MRC_ETIMEOUT: it accepted but sent no hello in time. */
+ * and sets the connection up over the first that answers; a set-up that
+ * stalls (its plane went down) or fails for want of a route is tried again,
+ * over the other addresses first, until timeout_ms. MRC_EUNREACH when no
+ * address answers; errs (NULL, or naddrs entries) then holds each address's
+ * last reason (a -errno). MRC_ENOTMRC: the port answered in another protocol;
+ * MRC_ETIMEOUT: it accepted but sent no hello in time; MRC_ECLOSED: the peer
+ * hung up every time. */
 int mrc_conn_connect_any(mrc_conn *c, const char *const *addrs, int naddrs, uint16_t port,
                          int timeout_ms, int *errs);
 /* Server side: waits up to timeout_ms for a complete hello; then the caller
