@@ -72,6 +72,25 @@ cdef _copy_str(char *dst, str s, int size, what):
     strncpy(dst, b, size)
 
 
+def _bad_loss_env(int nplanes) -> bool:
+    """Whether MRC_LOSS is set and wrong for `nplanes` planes: then it, not the planes,
+    failed mrc_ep_create (the same rules as ep.c's parser)."""
+    v = os.environ.get("MRC_LOSS", "")
+    if not v:
+        return False
+    for tok in v.split(","):
+        plane, sep, pct = tok.partition(":")
+        try:
+            x = float(pct[:-1] if pct.endswith("%") else pct)
+            if not sep or not 0 <= x <= 100:
+                return True
+            if plane != "all" and not 0 <= int(plane) < nplanes:
+                return True
+        except ValueError:
+            return True
+    return False
+
+
 def hostport(addr: str, port: int) -> str:
     """addr:port, with IPv6 addresses in brackets ([::1]:80)."""
     return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
@@ -213,6 +232,11 @@ cdef class Endpoint:
         cdef int rc
         with nogil:
             rc = c.mrc_ep_create(&cfg, &self.ep)
+        if rc == c.MRC_EUSAGE and _bad_loss_env(len(planes)):
+            raise errors.UsageError(
+                f"MRC_LOSS={os.environ['MRC_LOSS']!r} is invalid: expected PLANE:PERCENT or "
+                f"all:PERCENT, comma-separated, with PLANE 0..{len(planes) - 1} and PERCENT "
+                "0..100 (e.g. MRC_LOSS=1:5 drops 5% on plane 1)")
         check(rc, lambda: f"Failed to create an endpoint on planes {', '.join(map(str, planes))}")
         self.mss = mss
         self.timeout = timeout
@@ -335,7 +359,8 @@ cdef class Endpoint:
 
     def inject(self, int plane, double loss=0.0, bint down=False) -> None:
         """Fault injection on a local plane: drop each sent packet with probability
-        `loss`; `down` drops everything sent and received, like a pulled cable."""
+        `loss` (0..1: 0.05 is 5%; the command lines and MRC_LOSS take percent); `down`
+        drops everything sent and received, like a pulled cable."""
         if not 0 <= plane < len(self.planes):
             raise errors.UsageError(f"plane {plane} does not exist (0..{len(self.planes) - 1})")
         if not 0.0 <= loss <= 1.0:

@@ -102,7 +102,9 @@ void mrc_ep_config_init(struct mrc_ep_config *cfg)
     memset(cfg, 0, sizeof(*cfg));
 }
 
-/* MRC_LOSS="PLANE:PROB,..." or "all:PROB": loss injection without code. */
+/* MRC_LOSS="PLANE:PERCENT,..." or "all:PERCENT" (e.g. "1:5" or "1:5%"): loss
+ * injection without code. Percent, like every mrc command line (mrc-perf
+ * --loss, mrc-fabric loss); only the C and Python calls take a probability. */
 static int ep_env_loss(mrc_ep *ep)
 {
     const char *env = getenv("MRC_LOSS");
@@ -118,8 +120,9 @@ static int ep_env_loss(mrc_ep *ep)
         *colon = 0;
         char *end;
         double p = strtod(colon + 1, &end);
-        if (*end || p < 0 || p > 1)
+        if (end == colon + 1 || (*end && strcmp(end, "%") != 0) || p < 0 || p > 100)
             return MRC_EUSAGE;
+        p /= 100.0;
         if (strcmp(tok, "all") == 0) {
             for (int i = 0; i < ep->nplanes; i++)
                 ep->planes[i].tx_loss = p;

@@ -67,6 +67,18 @@ def _size(ctx: click.Context, param: click.Parameter, value: int | None) -> int 
     return value
 
 
+def _out_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Checked before the run, so a bad path does not lose a finished run's results."""
+    if value is None:
+        return None
+    parent = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(parent):
+        raise click.BadParameter(f"{value}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(value) and not os.access(value, os.W_OK)):
+        raise click.BadParameter(f"{value}: not writable")
+    return value
+
+
 def common_options(f: F) -> F:
     """perftest's options, plus mrc's multipath ones; the same on every test."""
     opts = [
@@ -147,8 +159,9 @@ def common_options(f: F) -> F:
             "--out_json_file",
             "--out-json-file",
             "out_json_file",
-            type=click.Path(dir_okay=False),
-            help="Write the JSON results here.",
+            type=click.Path(dir_okay=False, writable=True),
+            callback=_out_file,
+            help="Write the JSON results here (checked before the run).",
         ),
         click.option(
             "--planes",
@@ -186,7 +199,8 @@ def common_options(f: F) -> F:
             multiple=True,
             type=str,
             metavar="P:PCT",
-            help="Drop PCT percent of packets sent on local plane P (repeatable).",
+            help="Drop PCT percent (0..100, not a fraction) of the packets sent on local "
+            "plane P (repeatable); MRC_LOSS takes the same form.",
         ),
         click.option(
             "--local", is_flag=True, help="Run server and client here, over loopback planes."
@@ -267,6 +281,7 @@ def _run(test: str, **kw: Any) -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mrc", prog_name="mrc-perf")
 def main() -> None:
     """perftest-style bandwidth and latency tests over mrc.
 
