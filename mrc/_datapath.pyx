@@ -10,6 +10,7 @@ from libc.string cimport memset, strncpy
 cimport mrc._mrc as c
 
 import ipaddress
+import operator
 import os
 import socket
 import struct
@@ -89,6 +90,18 @@ def _bad_loss_env(int nplanes) -> bool:
         except ValueError:
             return True
     return False
+
+
+def _u64(value, str what, str name):
+    """An unsigned 64-bit argument, or mrc's UsageError naming it (not Cython's bare
+    OverflowError or TypeError)."""
+    try:
+        v = operator.index(value)  # ints and numpy integers
+    except TypeError:
+        v = -1
+    if not 0 <= v < 2**64:
+        raise errors.UsageError(f"{what}: {name} must be an integer 0..2^64-1, got {value!r}")
+    return v
 
 
 def hostport(addr: str, port: int) -> str:
@@ -485,7 +498,7 @@ cdef class MemoryRegion:
         cdef c.mrc_ep *e = ep._ptr()
         try:
             PyObject_GetBuffer(obj, &self.view, PyBUF_WRITABLE)
-        except BufferError:
+        except (BufferError, ValueError):  # numpy says read-only with a ValueError
             raise errors.UsageError(
                 f"cannot register {type(obj).__name__}: it must be a writable, "
                 "contiguous buffer (bytearray, numpy array, writable memoryview)") from None
@@ -583,7 +596,9 @@ cdef class Connection:
             check(c.mrc_conn_add_path(self._ptr(), &spec),
                   lambda: f"Bad path {p.id} (plane {p.plane} -> {p.dst_addr} via {segs})")
 
-    cdef uint64_t _span(self, MemoryRegion mr, uint64_t offset, length, str what) except? 0:
+    cdef uint64_t _span(self, MemoryRegion mr, offset, length, str what) except? 0:
+        offset = _u64(offset, what, "offset")
+        length = None if length is None else _u64(length, what, "length")
         if mr is None:
             raise errors.UsageError(f"{what}: a MemoryRegion is required")
         if mr.endpoint is not self.endpoint:
@@ -594,13 +609,16 @@ cdef class Connection:
                 f"{what}: bytes [{offset}, {offset + n}) are outside the {mr.size}-byte region")
         return n
 
-    def write(self, MemoryRegion local, remote, *, uint64_t offset=0, length=None,
-              uint64_t remote_offset=0, imm=None) -> Operation:
+    def write(self, MemoryRegion local, remote, *, offset=0, length=None,
+              remote_offset=0, imm=None) -> Operation:
         """RDMA WRITE local[offset:offset+length] to remote[remote_offset:...]. With
         `imm`, the peer's wait_imm() returns it once every byte is in place."""
         if not isinstance(remote, RemoteRegion):
             raise errors.UsageError("write: remote must be a RemoteRegion (peer's descriptor())")
         cdef uint64_t n = self._span(local, offset, length, "write")
+        remote_offset = _u64(remote_offset, "write", "remote_offset")
+        if imm is not None and _u64(imm, "write", "imm") >= 2**32:
+            raise errors.UsageError(f"write: imm must be an integer 0..2^32-1, got {imm!r}")
         if remote_offset > remote.size or n > remote.size - remote_offset:
             raise errors.UsageError(
                 f"write: remote bytes [{remote_offset}, {remote_offset + n}) are outside the "
@@ -613,19 +631,19 @@ cdef class Connection:
                                flags, &op), lambda: f"Failed to post a {n}-byte write")
         return Operation._wrap(self, op, local, n)
 
-    def send(self, MemoryRegion local, *, uint64_t offset=0, length=None,
-             uint64_t tag=0) -> Operation:
+    def send(self, MemoryRegion local, *, offset=0, length=None, tag=0) -> Operation:
         """Two-sided SEND of local[offset:offset+length], matched by tag at the peer."""
         cdef uint64_t n = self._span(local, offset, length, "send")
+        tag = _u64(tag, "send", "tag")
         cdef c.mrc_op *op = NULL
         check(c.mrc_post_send(self._ptr(), local._ptr(), offset, n, tag, &op),
               lambda: f"Failed to post a {n}-byte send")
         return Operation._wrap(self, op, local, n)
 
-    def recv(self, MemoryRegion local, *, uint64_t offset=0, length=None,
-             tag=None) -> Operation:
+    def recv(self, MemoryRegion local, *, offset=0, length=None, tag=None) -> Operation:
         """Post a receive buffer for the next SEND with `tag` (None: any tag)."""
         cdef uint64_t n = self._span(local, offset, length, "recv")
+        tag = None if tag is None else _u64(tag, "recv", "tag")
         cdef uint64_t t = c.MRC_TAG_ANY if tag is None else tag
         cdef c.mrc_op *op = NULL
         check(c.mrc_post_recv(self._ptr(), local._ptr(), offset, n, t, &op),

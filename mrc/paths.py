@@ -10,11 +10,12 @@ Path ids are mirrored in the table, so both directions of path k share plane and
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterable
 from pathlib import Path as FsPath
 from typing import Any
 
-from mrc import Connection, Endpoint
+from mrc import Connection, Endpoint, MrcError, UsageError
 from mrc.routing import Fabric, Path, host_planes, load_fabric, paths
 
 
@@ -25,7 +26,17 @@ class FabricEndpoint:
         self.fabric = fabric
         self.host = fabric.host(host).name  # raises FabricError for an unknown host
         self.failed = frozenset(failed)
-        self.endpoint = Endpoint(host_planes(fabric, host), **ep)
+        planes = host_planes(fabric, host)
+        try:
+            self.endpoint = Endpoint(planes, **ep)
+        except MrcError as e:
+            if getattr(e, "code", None) != -errno.EADDRNOTAVAIL:
+                raise
+            raise UsageError(
+                f"host {self.host}'s addresses ({', '.join(planes)}) are not on this machine's "
+                f"interfaces: run this inside the host's namespace, e.g. `mrc-fabric exec "
+                f"{self.host} --name NAME -- COMMAND` ({e})"
+            ) from e
 
     def paths_to(self, peer: str) -> list[Path]:
         """The route table's usable paths from this host to `peer`."""
