@@ -207,3 +207,35 @@ def test_another_user_runs_the_tools_of_a_root_built_venv() -> None:
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("ok: 2host-2plane")
+
+
+def _readme_block(first_line: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    for block in re.findall(r"```python\n(.*?)```", text, re.S):
+        if block.startswith(first_line):
+            return block
+    raise AssertionError(f"README has no python block starting {first_line!r}")
+
+
+def test_readme_python_example_runs_as_written(tmp_path: Path) -> None:
+    """The two-process example: the port reaches the client on the command line, the
+    region descriptor over the connection."""
+    (tmp_path / "server.py").write_text(_readme_block("# server.py"))
+    (tmp_path / "client.py").write_text(_readme_block("# client.py"))
+    server = subprocess.Popen(
+        [sys.executable, "server.py"], cwd=tmp_path, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().strip()
+        client = subprocess.run(
+            [sys.executable, "client.py", port], cwd=tmp_path, capture_output=True, timeout=60
+        )
+        assert client.returncode == 0, client.stderr
+        out, _ = server.communicate(timeout=60)
+        assert server.returncode == 0
+        assert out.split() == ["(42,", "1048576)", "1048576"]
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
