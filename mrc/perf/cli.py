@@ -17,6 +17,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy is imported a
 
 import click  # noqa: E402
 
+from mrc.perf import model_cli  # noqa: E402
 from mrc.perf.options import (  # noqa: E402
     DEFAULT_BW_ITERS,
     DEFAULT_BW_SIZE,
@@ -326,6 +327,9 @@ def _make(test: str) -> None:
 
 for _test in TESTS:
     _make(_test)
+
+# `mrc-perf model`: the AllReduce cost model (mrc/perf/model_cli.py); runs nothing.
+main.add_command(model_cli.model)
 
 
 if __name__ == "__main__":

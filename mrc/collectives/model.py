@@ -1,0 +1,567 @@
+"""The AllReduce cost model, the lower bound, the resilient shares and the planner (issue 13).
+
+docs/collectives-model.md derives every formula in this module and proves the bound; the
+names below follow it.
+
+The model: n ranks, D bytes per rank to AllReduce. Rank r has a full-duplex NIC that sends
+at s_r and receives at g_r bytes per second (the sum of its usable planes); the fabric core
+never limits (a non-blocking Clos). A message of b bytes costs b / rate on both of its
+ends, and a rank's concurrent transfers share its rate. alpha is the latency of one
+dependent hop (post, cross the fabric, complete). The degraded case of the issue is one
+rank at (1-X)B and n-1 at B; then times are quoted in units of D/B with alpha = 0.
+
+Every function here is pure Python arithmetic (+ - * / max min on floats), so every rank
+that feeds it the same agreed bandwidths gets bit-identical shares and the same plan: the
+planner's choice can never differ between ranks (mrc.collectives.bandwidth.agree makes
+the inputs equal).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from mrc.errors import UsageError
+
+# The keys of `mrc-perf model --json`, in this order.
+KEYS = ("ring", "split_opt", "split_x", "lower_bound", "mrc", "healthy", "y_opt")
+
+# The planner keeps the equal-share schedule unless another is predicted faster by at
+# least this fraction of its time. Small messages are latency-bound (both direct schedules
+# pay the same 2 alpha), so their gain falls under it and they keep equal shares; it also
+# keeps a schedule from flapping on a bandwidth that is barely lower.
+MIN_GAIN = 0.02
+
+# Dependent hops per algorithm, for the alpha term. A direct schedule is two: every rank's
+# piece to its owner, the owner's reduced piece to everyone (chunks pipeline behind it).
+# A ring is 2(n-1) steps; R2CC adds the pass-back behind its rings.
+DIRECT_HOPS = 2
+
+Rates = Sequence[float]
+
+
+# Validation ---------------------------------------------------------------------------------
+
+
+def _check_ranks(n: object) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UsageError(f"ranks must be an integer >= 1, got {n!r}")
+    return n
+
+
+def _check_fraction(x: object, what: str = "lost fraction X") -> float:
+    if isinstance(x, bool) or not isinstance(x, int | float) or not 0.0 <= float(x) < 1.0:
+        raise UsageError(
+            f"{what} must be in [0, 1) (1 would cut the rank off: no AllReduce can finish), "
+            f"got {x!r}"
+        )
+    return float(x)
+
+
+def _floats(values: Sequence[float], name: str) -> list[float]:
+    out = []
+    for r, v in enumerate(values):
+        try:
+            out.append(float(v))
+        except (TypeError, ValueError):
+            raise UsageError(f"{name}[{r}] = {v!r} is not a number") from None
+    return out
+
+
+def _check_rates(bw_send: Rates, bw_recv: Rates) -> tuple[list[float], list[float]]:
+    s = _floats(bw_send, "bw_send")
+    g = _floats(bw_recv, "bw_recv")
+    if len(s) != len(g):
+        raise UsageError(
+            f"bw_send has {len(s)} ranks but bw_recv has {len(g)}: one rate per rank each"
+        )
+    if not s:
+        raise UsageError("no ranks: bw_send and bw_recv are empty")
+    for name, rates in (("bw_send", s), ("bw_recv", g)):
+        for r, v in enumerate(rates):
+            if not math.isfinite(v) or v <= 0.0:
+                raise UsageError(
+                    f"{name}[{r}] = {v!r}: every rank needs a finite rate > 0 "
+                    f"(a rank with no usable plane cannot take part in an AllReduce)"
+                )
+    return s, g
+
+
+def _check_shares(shares: Sequence[float], n: int) -> list[float]:
+    sh = _floats(shares, "shares")
+    if len(sh) != n:
+        raise UsageError(f"{len(sh)} shares for {n} ranks: one share per rank")
+    for r, v in enumerate(sh):
+        if not math.isfinite(v) or v < 0.0:
+            raise UsageError(f"shares[{r}] = {v!r}: shares must be finite and >= 0")
+    total = math.fsum(sh)
+    if abs(total - 1.0) > 1e-9:
+        raise UsageError(f"shares sum to {total!r}, not 1: {sh}")
+    return sh
+
+
+def _check_nbytes(nbytes: float) -> float:
+    v = float(nbytes)
+    if not math.isfinite(v) or v < 0.0:
+        raise UsageError(f"nbytes must be finite and >= 0, got {nbytes!r}")
+    return v
+
+
+def split_bandwidths(bandwidths: Any) -> tuple[list[float], list[float]]:
+    """(bw_send, bw_recv) from what a caller has: an object with .send and .recv (such as
+    mrc.collectives.bandwidth.AgreedBandwidths), a sequence of (send, recv) pairs, or a
+    sequence of symmetric rates."""
+    if hasattr(bandwidths, "send") and hasattr(bandwidths, "recv"):
+        return _check_rates(bandwidths.send, bandwidths.recv)
+    items = list(bandwidths)
+    if items and all(isinstance(v, Sequence) or getattr(v, "ndim", 0) == 1 for v in items):
+        for r, v in enumerate(items):
+            if len(v) != 2:
+                raise UsageError(f"bandwidths[{r}] = {v!r}: want (send, recv) or one rate")
+        return _check_rates([v[0] for v in items], [v[1] for v in items])
+    return _check_rates(items, items)
+
+
+# Candidate times, general per-rank rates ----------------------------------------------------
+
+
+def healthy_ring_factor(n: int) -> float:
+    """2(n-1)/n: the bytes every rank sends (and receives) in a ring or an equal-share
+    direct AllReduce, in units of D."""
+    n = _check_ranks(n)
+    return 2.0 * (n - 1) / n
+
+
+def _ring_pace(s: list[float], g: list[float], order: Sequence[int]) -> float:
+    """The slowest link of a ring in `order`: rank order[i] sends to order[i+1]."""
+    k = len(order)
+    return min(min(s[order[i]], g[order[(i + 1) % k]]) for i in range(k))
+
+
+def ring_time(bw_send: Rates, bw_recv: Rates, nbytes: float = 1.0) -> float:
+    """The ring AllReduce in rank order: 2(n-1) steps of D/n on every link at once, each
+    step as slow as the slowest link (the degraded rank's). Seconds, or D/B units."""
+    s, g = _check_rates(bw_send, bw_recv)
+    n = len(s)
+    if n == 1:
+        return 0.0
+    return healthy_ring_factor(n) * _check_nbytes(nbytes) / _ring_pace(s, g, range(n))
+
+
+def direct_bytes(shares: Sequence[float]) -> list[tuple[float, float]]:
+    """(sent, received) per rank of the direct reduce-scatter + all-gather, in units of D.
+
+    Rank r owns f_r = shares[r] of the elements. Reduce-scatter: r sends every other owner o its
+    slice of o's share, (1 - f_r) D in all, and receives n-1 slices of its own, (n-1) f_r D.
+    All-gather: r sends its reduced share to the n-1 others, (n-1) f_r D, and receives the
+    rest, (1 - f_r) D. Both directions carry (1 + (n-2) f_r) D.
+    """
+    n = len(shares)
+    sh = _check_shares(shares, n)
+    out = []
+    for f_r in sh:
+        rs_send, rs_recv = 1.0 - f_r, (n - 1) * f_r
+        ag_send, ag_recv = (n - 1) * f_r, 1.0 - f_r
+        out.append((rs_send + ag_send, rs_recv + ag_recv))
+    return out
+
+
+def share_time(
+    shares: Sequence[float],
+    bw_send: Rates,
+    bw_recv: Rates,
+    nbytes: float = 1.0,
+    *,
+    overlap: bool = True,
+) -> float:
+    """Time of the direct schedule with these shares.
+
+    overlap=True (what the bound needs): the all-gather of a chunk runs while later chunks
+    are still being reduce-scattered, so each rank's link carries both phases' bytes at once
+    and the time is max over ranks of max(sent / s_r, received / g_r).
+    overlap=False: a barrier between the phases; each phase takes its slowest rank. With a
+    degraded rank this can never beat the ring (docs/collectives-model.md, "Why the phases
+    must overlap").
+    """
+    s, g = _check_rates(bw_send, bw_recv)
+    n = len(s)
+    sh = _check_shares(shares, n)
+    d = _check_nbytes(nbytes)
+    if n == 1:
+        return 0.0
+    if overlap:
+        return d * max(
+            max(sent / s[r], recv / g[r]) for r, (sent, recv) in enumerate(direct_bytes(sh))
+        )
+    rs = max(max((1.0 - sh[r]) / s[r], (n - 1) * sh[r] / g[r]) for r in range(n))
+    ag = max(max((n - 1) * sh[r] / s[r], (1.0 - sh[r]) / g[r]) for r in range(n))
+    return d * (rs + ag)
+
+
+def lower_bound(bw_send: Rates, bw_recv: Rates, nbytes: float = 1.0) -> float:
+    """No AllReduce can finish faster (docs/collectives-model.md, "The lower bound"):
+
+        T >= D * max( max_r 1/s_r, max_r 1/g_r, 2(n-1)/sum(s), 2(n-1)/sum(g) )
+
+    Every rank must send and receive at least D (a cut around one rank), and all ranks
+    together must send (and receive) at least 2(n-1) D (each element needs 2(n-1)
+    transmissions, as in one-way gossip). With every rate B it is the healthy ring's
+    2(n-1)/n D/B.
+    """
+    s, g = _check_rates(bw_send, bw_recv)
+    n = len(s)
+    if n == 1:
+        return 0.0
+    d = _check_nbytes(nbytes)
+    total = 2.0 * (n - 1)
+    return d * max(
+        max(1.0 / v for v in s),
+        max(1.0 / v for v in g),
+        total / math.fsum(s),
+        total / math.fsum(g),
+    )
+
+
+def shares(bw_send: Rates, bw_recv: Rates) -> list[float]:
+    """The shares that minimise share_time (overlapped): the resilient schedule.
+
+    With m_r = min(s_r, g_r) (a rank sends and receives the same bytes, so the slower
+    direction binds), the optimum time is T0 = max(max_r 1/m_r, 2(n-1)/sum(m)) and every
+    rank reaches it with share f_r = (T0 m_r - 1)/(n-2): affine in the rank's rate, not
+    proportional. When one rank is so slow that 1/m_r dominates, these sum to more than 1;
+    scaling them down to 1 leaves the slow rank at 0 and everyone else under T0.
+    Equal rates give exactly 1/n each. With n <= 2 every share costs the same; equal then.
+    """
+    s, g = _check_rates(bw_send, bw_recv)
+    n = len(s)
+    m = [min(a, b) for a, b in zip(s, g, strict=True)]
+    if n <= 2 or all(v == m[0] for v in m):
+        return [1.0 / n] * n
+    t0 = max(max(1.0 / v for v in m), 2.0 * (n - 1) / math.fsum(m))
+    # max(0, ...): the bottleneck rank's t0 * m_r - 1 is 0, give or take a rounding.
+    raw = [max(0.0, (t0 * v - 1.0) / (n - 2)) for v in m]
+    total = math.fsum(raw)
+    return [v / total for v in raw]
+
+
+def share_time_opt(bw_send: Rates, bw_recv: Rates, nbytes: float = 1.0) -> float:
+    """Closed form of share_time(shares(...)): D * max(max_r 1/m_r, 2(n-1)/sum(m))."""
+    s, g = _check_rates(bw_send, bw_recv)
+    n = len(s)
+    if n == 1:
+        return 0.0
+    m = [min(a, b) for a, b in zip(s, g, strict=True)]
+    return _check_nbytes(nbytes) * max(max(1.0 / v for v in m), 2.0 * (n - 1) / math.fsum(m))
+
+
+def share_gap(bw_send: Rates, bw_recv: Rates) -> float:
+    """How far the resilient schedule can be above the bound: it is within a factor
+    max(1, min(sum s, sum g) / sum m). 1 (it meets the bound) whenever every rank sends as
+    fast as it receives, which a lost plane keeps (a plane is a full-duplex link)."""
+    s, g = _check_rates(bw_send, bw_recv)
+    m = [min(a, b) for a, b in zip(s, g, strict=True)]
+    return max(1.0, min(math.fsum(s), math.fsum(g)) / math.fsum(m))
+
+
+# R2CC-AllReduce -----------------------------------------------------------------------------
+
+
+def _degraded(s: list[float], g: list[float]) -> int:
+    m = [min(a, b) for a, b in zip(s, g, strict=True)]
+    return m.index(min(m))
+
+
+def r2cc_phases(
+    bw_send: Rates, bw_recv: Rates, y: float, nbytes: float = 1.0
+) -> tuple[float, float, float]:
+    """(T_main, T_sub, T_back) of R2CC-AllReduce with a split Y, as the issue defines it.
+
+    The degraded rank d is the slowest (min over ranks of min(s_r, g_r)).
+      main ring: all n ranks on (1-Y)D at the pace p of the ring's slowest link (d's):
+                 T_main = 2(n-1)/n (1-Y) D / p
+      sub-ring:  the n-1 others on Y D in what the main ring leaves them, q = the slowest
+                 sub-ring link's rate minus p (XB in the degraded case):
+                 T_sub = 2(n-2)/(n-1) Y D / q
+      back:      the Y D result through d's link, pipelined: T_back = Y D / m_d
+    T(Y) = max(T_main, T_sub) + T_back.
+    """
+    s, g = _check_rates(bw_send, bw_recv)
+    y = _check_unit(y, "split Y")
+    n = len(s)
+    dbytes = _check_nbytes(nbytes)
+    if n == 1:
+        return 0.0, 0.0, 0.0
+    d = _degraded(s, g)
+    p = _ring_pace(s, g, range(n))
+    t_main = healthy_ring_factor(n) * (1.0 - y) * dbytes / p
+    c = 2.0 * (n - 2) / (n - 1)
+    if c == 0.0 or y == 0.0:
+        t_sub = 0.0
+    else:
+        q = _sub_ring_leftover(s, g, d, p)
+        t_sub = math.inf if q <= 0.0 else c * y * dbytes / q
+    t_back = y * dbytes / min(s[d], g[d])
+    return t_main, t_sub, t_back
+
+
+def _sub_ring_leftover(s: list[float], g: list[float], d: int, p: float) -> float:
+    others = [r for r in range(len(s)) if r != d]
+    k = len(others)
+    return min(min(s[others[i]] - p, g[others[(i + 1) % k]] - p) for i in range(k))
+
+
+def _check_unit(y: object, what: str) -> float:
+    if isinstance(y, bool) or not isinstance(y, int | float) or not 0.0 <= float(y) <= 1.0:
+        raise UsageError(f"{what} must be in [0, 1], got {y!r}")
+    return float(y)
+
+
+def r2cc_time(bw_send: Rates, bw_recv: Rates, y: float, nbytes: float = 1.0) -> float:
+    """R2CC-AllReduce's T(Y) = max(T_main, T_sub) + T_back."""
+    t_main, t_sub, t_back = r2cc_phases(bw_send, bw_recv, y, nbytes)
+    return max(t_main, t_sub) + t_back
+
+
+def r2cc_y_opt(bw_send: Rates, bw_recv: Rates) -> float:
+    """The Y that minimises T(Y): where T_main = T_sub, Y* = a q / (a q + c p) with
+    a = 2(n-1)/n, c = 2(n-2)/(n-1). Below it T falls (slope (1 - a)/p < 0 for n > 2),
+    above it T rises. 0 when there is no leftover bandwidth (all rates equal) or n <= 2
+    (no sub-ring: every Y costs the same)."""
+    s, g = _check_rates(bw_send, bw_recv)
+    n = len(s)
+    if n <= 2:
+        return 0.0
+    d = _degraded(s, g)
+    p = _ring_pace(s, g, range(n))
+    q = _sub_ring_leftover(s, g, d, p)
+    if q <= 0.0:
+        return 0.0
+    a = healthy_ring_factor(n)
+    c = 2.0 * (n - 2) / (n - 1)
+    return a * q / (a * q + c * p)
+
+
+def r2cc_shares(n: int, degraded: int, y: float) -> list[float]:
+    """R2CC's split written as shares of the direct schedule, so it keeps the fixed
+    reduction order: (1-Y) of the elements shared equally by all n ranks, Y shared by the
+    n-1 others. Its time as a direct schedule is share_time(r2cc_shares(...)); the
+    resilient shares are never slower (they are optimal among all shares)."""
+    n = _check_ranks(n)
+    y = _check_unit(y, "split Y")
+    if not 0 <= degraded < n:
+        raise UsageError(f"degraded rank {degraded!r} is not a rank (0..{n - 1})")
+    if n == 1:
+        return [1.0]
+    return [(1.0 - y) / n + (0.0 if r == degraded else y / (n - 1)) for r in range(n)]
+
+
+# One degraded rank, D/B units: closed forms ------------------------------------------------
+
+
+def degraded_rates(n: int, x: float) -> list[float]:
+    """Rank 0 at 1-X, the others at 1 (B = 1): the case of the issue."""
+    n = _check_ranks(n)
+    x = _check_fraction(x)
+    return [1.0 - x] + [1.0] * (n - 1)
+
+
+def crossover(n: int) -> float:
+    """The X above which the degraded rank's own D in and D out (1/(1-X)) set the bound,
+    rather than the total 2(n-1)/(n-X): X_c = (n-2)/(2n-3). 2/5 at n=4, -> 1/2 as n grows.
+    """
+    n = _check_ranks(n)
+    if n <= 2:
+        return 0.0
+    return (n - 2) / (2 * n - 3)
+
+
+def closed_forms(n: int, x: float) -> dict[str, float]:
+    """Every candidate in closed form for one rank at (1-X)B, in D/B units.
+
+    a = 2(n-1)/n, c = 2(n-2)/(n-1):
+      healthy     = a
+      ring        = a / (1-X)
+      y_opt       = a X / (a X + c (1-X))
+      split_opt   = a (c (1-X) + X) / ((a X + c (1-X)) (1-X))
+      split_x     = a + X / (1-X)                 (max(a, c) = a: a - c = 2/(n(n-1)) > 0)
+      lower_bound = max(1/(1-X), 2(n-1)/(n-X))
+      mrc         = lower_bound (the resilient shares meet it)
+    n = 1: all 0. n = 2: no sub-ring, every Y costs 1/(1-X); y_opt = 0.
+    """
+    n = _check_ranks(n)
+    x = _check_fraction(x)
+    if n == 1:
+        return dict.fromkeys(KEYS, 0.0)
+    a = 2.0 * (n - 1) / n
+    c = 2.0 * (n - 2) / (n - 1)
+    ring = a / (1.0 - x)
+    if n == 2 or x == 0.0:
+        y_opt, split_opt = 0.0, ring
+    else:
+        y_opt = a * x / (a * x + c * (1.0 - x))
+        split_opt = a * (c * (1.0 - x) + x) / ((a * x + c * (1.0 - x)) * (1.0 - x))
+    split_x = a + x / (1.0 - x)
+    bound = max(1.0 / (1.0 - x), 2.0 * (n - 1) / (n - x))
+    return {
+        "ring": ring,
+        "split_opt": split_opt,
+        "split_x": split_x,
+        "lower_bound": bound,
+        "mrc": bound,
+        "healthy": a,
+        "y_opt": y_opt,
+    }
+
+
+def resilient_shares_closed(n: int, x: float) -> tuple[float, float]:
+    """(degraded rank's share, each other rank's share) of the resilient schedule:
+    below the crossover ((n-2-(2n-3)X), (n-2+X)) / ((n-X)(n-2)); above it (0, 1/(n-1)).
+    n=4, X=1/4: (0.1, 0.3)."""
+    n = _check_ranks(n)
+    x = _check_fraction(x)
+    if n <= 2 or x == 0.0:
+        return 1.0 / n, 1.0 / n
+    if x >= crossover(n):
+        return 0.0, 1.0 / (n - 1)
+    den = (n - x) * (n - 2)
+    return (n - 2 - (2 * n - 3) * x) / den, (n - 2 + x) / den
+
+
+def summary(n: int, x: float) -> dict[str, float]:
+    """The model of `mrc-perf model`: each key of KEYS, computed from the general
+    per-rank functions (not the closed forms, which the tests check against this), in
+    units of D/B with no latency term. `mrc` is what plan() picks."""
+    rates = degraded_rates(n, x)
+    healthy = [1.0] * len(rates)
+    y_opt = r2cc_y_opt(rates, rates)
+    picked = plan(rates, 1.0, 0.0)
+    return {
+        "ring": ring_time(rates, rates),
+        "split_opt": r2cc_time(rates, rates, y_opt),
+        "split_x": r2cc_time(rates, rates, x),
+        "lower_bound": lower_bound(rates, rates),
+        "mrc": picked.predicted,
+        "healthy": ring_time(healthy, healthy),
+        "y_opt": y_opt,
+    }
+
+
+# The planner --------------------------------------------------------------------------------
+
+
+class Candidate(NamedTuple):
+    """One row of the planner's table. shares is None for what mrc does not run."""
+
+    name: str
+    shares: tuple[float, ...] | None
+    predicted: float  # seconds (or D/B units with nbytes=1, alpha=0)
+    runnable: bool
+    note: str
+
+
+class Plan(NamedTuple):
+    name: str  # "equal" or "resilient"
+    shares: tuple[float, ...]
+    predicted: float
+
+
+def candidates(
+    bandwidths: Any, nbytes: float, alpha: float = 0.0, *, overlap: bool = True
+) -> list[Candidate]:
+    """Every modelled AllReduce for these per-rank bandwidths (bytes/s; see
+    split_bandwidths), nbytes per rank and alpha seconds per dependent hop. overlap: the
+    executor runs a chunk's all-gather while later chunks reduce-scatter (share_time)."""
+    s, g = split_bandwidths(bandwidths)
+    d = _check_nbytes(nbytes)
+    alpha = float(alpha)
+    if not math.isfinite(alpha) or alpha < 0.0:
+        raise UsageError(f"alpha must be finite and >= 0 seconds, got {alpha!r}")
+    n = len(s)
+    if n == 1:
+        return [Candidate("equal", (1.0,), 0.0, True, "one rank: nothing to send")]
+    equal = (1.0 / n,) * n
+    best = tuple(shares(s, g))
+    y = r2cc_y_opt(s, g)
+    lat_direct = DIRECT_HOPS * alpha
+    lat_ring = 2 * (n - 1) * alpha
+    return [
+        Candidate(
+            "equal", equal, lat_direct + share_time(equal, s, g, d, overlap=overlap), True,
+            "direct RS+AG, equal shares: the healthy schedule (a ring's bytes)",
+        ),
+        Candidate(
+            "resilient", best, lat_direct + share_time(best, s, g, d, overlap=overlap), True,
+            "direct RS+AG, shares (T0 m_r - 1)/(n-2): meets the bound when s_r = g_r",
+        ),
+        Candidate(
+            "ring", None, lat_ring + ring_time(s, g, d), False,
+            "rotating partial sums: no fixed reduction order",
+        ),
+        Candidate(
+            "r2cc", None, lat_ring + alpha + r2cc_time(s, g, y, d), False,
+            f"R2CC's rings at Y*={y:.4f}; as shares (r2cc_shares) it is never below resilient",
+        ),
+        Candidate(
+            "lower_bound", None, lat_direct + lower_bound(s, g, d), False,
+            "no AllReduce is faster (alpha: a direct schedule's 2 hops)",
+        ),
+    ]  # fmt: skip
+
+
+def plan(
+    bandwidths: Any,
+    nbytes: float,
+    alpha: float = 0.0,
+    *,
+    min_gain: float = MIN_GAIN,
+    overlap: bool = True,
+) -> Plan:
+    """The schedule to run: the fastest runnable candidate, except that equal shares stay
+    unless the other is predicted at least `min_gain` (a fraction) faster. Equal bandwidths
+    give equal shares; a rank that lost a plane gives the resilient shares for large
+    messages; small ones, where 2 alpha dwarfs the bytes, keep equal shares. With
+    overlap=False (an executor with a barrier between the phases) no shares beat equal
+    ones when the ranks' two directions match, so the plan stays equal."""
+    if not 0.0 <= min_gain < 1.0:
+        raise UsageError(f"min_gain must be a fraction in [0, 1), got {min_gain!r}")
+    table = [c for c in candidates(bandwidths, nbytes, alpha, overlap=overlap) if c.runnable]
+    base = table[0]
+    assert base.name == "equal" and base.shares is not None
+    pick = base
+    for c in table[1:]:
+        if c.predicted < pick.predicted and c.predicted <= base.predicted * (1.0 - min_gain):
+            pick = c
+    assert pick.shares is not None
+    return Plan(pick.name, pick.shares, pick.predicted)
+
+
+def format_table(rows: Sequence[Candidate]) -> str:
+    """The planner's table for a debug log, one candidate per line."""
+    out = []
+    for c in rows:
+        sh = "-" if c.shares is None else "[" + ", ".join(f"{v:.4f}" for v in c.shares) + "]"
+        tag = "" if c.runnable else " (modelled only)"
+        out.append(f"{c.name:<12} {c.predicted:12.6g}  shares {sh}{tag}: {c.note}")
+    return "\n".join(out)
+
+
+def share_counts(shares: Sequence[float], count: int) -> list[int]:
+    """Elements per rank for `count` elements: floor(share * count), the leftover elements
+    to the largest fractional parts (lowest rank first on ties). Integer results every rank
+    computes alike; they sum to count, and a share of 0 gets 0 elements."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise UsageError(f"count must be an integer >= 0, got {count!r}")
+    sh = _check_shares(shares, len(shares))
+    exact = [v * count for v in sh]
+    counts = [min(count, int(math.floor(v))) for v in exact]
+    left = count - sum(counts)
+    order = sorted(
+        (r for r in range(len(sh)) if sh[r] > 0.0), key=lambda r: (-(exact[r] - counts[r]), r)
+    )
+    for i in range(max(0, left)):
+        counts[order[i % len(order)]] += 1
+    # Shares may sum to 1 + 1e-9: the floors can then overshoot a huge count by a few.
+    for i in range(max(0, -left)):
+        counts[order[-1 - i % len(order)]] -= 1
+    return counts
