@@ -428,3 +428,25 @@ def test_setup_burst_while_a_plane_flaps() -> None:
         assert during >= 2, "plane0 did not change state while the set-ups ran"
         assert client == {"ok": 48, "errors": []}
         assert server == {"ok": 48, "errors": []}
+
+
+def test_mrc_perf_setups_in_a_loop_with_vanishing_clients() -> None:
+    """The issue's reproduction, as processes: mrc-perf servers (which accept in 0.5 s
+    slices) each meet a client that connects and vanishes, one that says nothing, and
+    then the real client; every run completes with its header and table on both sides."""
+    from test_perf import finish, popen, start_server
+
+    args = ["write_bw", "-s", "4096", "-n", "50", "-t", "8"]
+    for i in range(5):
+        server, port = start_server(args)
+        socket.create_connection(("127.0.0.1", port)).close()
+        silent = socket.create_connection(("127.0.0.1", port))
+        try:
+            client = popen([*args, "-p", str(port), "127.0.0.1"])
+            crc, cout, cerr = finish(client)
+            src, sout, serr = finish(server)
+        finally:
+            silent.close()
+        assert (crc, src) == (0, 0), (i, cerr, serr)
+        for out in (cout, sout):
+            assert "remote address" in out and " #bytes" in out, out
