@@ -59,6 +59,7 @@ def data(size: int, seed: int) -> np.ndarray:
 
 
 @click.group()
+@click.version_option(package_name="mrc", prog_name="mrc.fabric.xfer")
 def cli() -> None:
     """Verified transfers between fabric hosts."""
 
