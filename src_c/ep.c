@@ -226,6 +226,7 @@ void mrc_ep_destroy(mrc_ep *ep)
 {
     if (!ep)
         return;
+    hs_free(ep); /* first: waits for accept calls in other threads to return */
     pthread_mutex_lock(&ep->lock);
     ep->stopping = true;
     pthread_mutex_unlock(&ep->lock);
@@ -242,7 +243,6 @@ void mrc_ep_destroy(mrc_ep *ep)
         close(ep->socks[i]->fd);
         free(ep->socks[i]);
     }
-    hs_free(ep);
     if (ep->nl_fd >= 0)
         close(ep->nl_fd);
     close(ep->epfd);

@@ -14,6 +14,7 @@
  * data the other would drop as unknown.
  */
 #include "internal.h"
+#include "mrc_testing.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -152,6 +153,16 @@ static int hello_apply(mrc_conn *c, const struct hello *h)
     return 0;
 }
 
+/* Id and initial PSN of a connection not yet in the datapath. */
+static void conn_new_id(mrc_conn *c)
+{
+    /* 16 random bits above the slot: stale or guessed ids rarely match. */
+    c->id = (uint32_t)((rand_u64() & 0xffff) << 16) | c->slot;
+    c->next_psn = (uint32_t)rand_u64();
+    c->una = c->highest_acked = c->next_psn;
+    c->highest_acked--;
+}
+
 int mrc_conn_create(mrc_ep *ep, const char *name, mrc_conn **out)
 {
     mrc_conn *c = calloc(1, sizeof(*c));
@@ -167,11 +178,7 @@ int mrc_conn_create(mrc_ep *ep, const char *name, mrc_conn **out)
     DL_APPEND(ep->own_conns, ep->own_conns_tail, c, own_prev, own_next);
     pthread_mutex_unlock(&ep->lock);
     c->ep = ep;
-    /* 16 random bits above the slot: stale or guessed ids rarely match. */
-    c->id = (uint32_t)((rand_u64() & 0xffff) << 16) | c->slot;
-    c->next_psn = (uint32_t)rand_u64();
-    c->una = c->highest_acked = c->next_psn;
-    c->highest_acked--;
+    conn_new_id(c);
     c->hs_fd = -1;
     snprintf(c->name, sizeof(c->name), "%s", name ? name : "");
     for (int i = 0; i < MRC_MAX_PATHS; i++)
@@ -438,6 +445,9 @@ int mrc_conn_connect_any(mrc_conn *c, const char *const *addrs, int naddrs, uint
         close(fd);
         if (!rc || !hs_transient(rc))
             return rc;
+        /* A fresh id for the next attempt: the server may have made a connection
+         * for this one and, dropping it, tells our id that it closed. */
+        conn_new_id(c);
         errs[win] = rc;
         stalled |= 1u << win;
         share *= 2;
@@ -470,6 +480,9 @@ struct hs_pending {
 };
 
 struct hs_state {
+    int active;           /* [ep->lock] accept calls under way */
+    bool closing;         /* [ep->lock] mrc_ep_destroy is waiting for them */
+    pthread_cond_t idle;  /* with ep->lock: active dropped to 0 */
     pthread_mutex_t lock; /* one accept or listen at a time */
     int nlisten;
     int listen_fds[MRC_MAX_PLANES];
@@ -483,17 +496,29 @@ static struct hs_state *hs_get(mrc_ep *ep)
     pthread_mutex_lock(&ep->lock);
     if (!ep->hs) {
         ep->hs = calloc(1, sizeof(*ep->hs));
-        if (ep->hs)
+        if (ep->hs) {
             pthread_mutex_init(&ep->hs->lock, NULL);
+            pthread_cond_init(&ep->hs->idle, NULL);
+        }
     }
     struct hs_state *hs = ep->hs;
     pthread_mutex_unlock(&ep->lock);
     return hs;
 }
 
+/* The endpoint is going: accept calls in other threads end (MRC_ECLOSED at
+ * their next slice, within HS_SLICE_NS) before the listeners go. */
 void hs_free(mrc_ep *ep)
 {
+    pthread_mutex_lock(&ep->lock);
     struct hs_state *hs = ep->hs;
+    if (hs) {
+        hs->closing = true;
+        while (hs->active)
+            pthread_cond_wait(&hs->idle, &ep->lock);
+    }
+    ep->hs = NULL;
+    pthread_mutex_unlock(&ep->lock);
     if (!hs)
         return;
     for (int i = 0; i < hs->nlisten; i++)
@@ -501,8 +526,8 @@ void hs_free(mrc_ep *ep)
     for (int i = 0; i < hs->npend; i++)
         close(hs->pend[i].fd);
     pthread_mutex_destroy(&hs->lock);
+    pthread_cond_destroy(&hs->idle);
     free(hs);
-    ep->hs = NULL;
 }
 
 static void close_all(int *fds, int n)
@@ -687,23 +712,55 @@ static int accept_slice(mrc_ep *ep, struct hs_state *hs, uint64_t dl, mrc_conn *
     return -EAGAIN;
 }
 
+int mrc_ep_accepts_active(mrc_ep *ep)
+{
+    pthread_mutex_lock(&ep->lock);
+    int n = ep->hs ? ep->hs->active : 0;
+    pthread_mutex_unlock(&ep->lock);
+    return n;
+}
+
+static bool hs_closing(mrc_ep *ep, struct hs_state *hs)
+{
+    pthread_mutex_lock(&ep->lock);
+    bool closing = hs->closing;
+    pthread_mutex_unlock(&ep->lock);
+    return closing;
+}
+
 int mrc_ep_accept(mrc_ep *ep, int timeout_ms, mrc_conn **out)
 {
     pthread_mutex_lock(&ep->lock);
     struct hs_state *hs = ep->hs;
+    if (hs && !hs->closing)
+        hs->active++;
+    else
+        hs = NULL;
     pthread_mutex_unlock(&ep->lock);
     if (!hs)
         return MRC_EUSAGE; /* not listening */
     uint64_t dl = deadline_of(timeout_ms);
+    int rc;
     for (;;) {
+        if (hs_closing(ep, hs)) {
+            rc = MRC_ECLOSED;
+            break;
+        }
         pthread_mutex_lock(&hs->lock);
-        int rc = hs->nlisten ? accept_slice(ep, hs, dl, out) : MRC_EUSAGE;
+        rc = hs->nlisten ? accept_slice(ep, hs, dl, out) : MRC_EUSAGE;
         pthread_mutex_unlock(&hs->lock);
         if (rc != -EAGAIN)
-            return rc;
-        if (now_ns() >= dl)
-            return MRC_ETIMEOUT;
+            break;
+        if (now_ns() >= dl) {
+            rc = MRC_ETIMEOUT;
+            break;
+        }
     }
+    pthread_mutex_lock(&ep->lock);
+    if (--hs->active == 0)
+        pthread_cond_signal(&hs->idle);
+    pthread_mutex_unlock(&ep->lock);
+    return rc;
 }
 
 int mrc_conn_establish(mrc_conn *c, int timeout_ms)

@@ -53,11 +53,11 @@ def _run(cmd: Sequence[str], input: str | None = None, check: bool = True) -> st
     return proc.stdout
 
 
-def _parallel(jobs: Iterable[tuple[Sequence[str], str | None]]) -> None:
+def _parallel(jobs: Iterable[tuple[Sequence[str], str | None]], check: bool = True) -> None:
     """Run (command, stdin) jobs in parallel; raise the first failure after all finished."""
     jobs = list(jobs)
     with ThreadPoolExecutor(max_workers=_WORKERS) as pool:
-        futures = [pool.submit(_run, cmd, inp) for cmd, inp in jobs]
+        futures = [pool.submit(_run, cmd, inp, check) for cmd, inp in jobs]
         errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
         raise errors[0]  # type: ignore[misc]
@@ -320,9 +320,14 @@ def _apply_failed(
         for node, cmds in batches.items()
     )
     # The kernel may have dropped some with their link already: errors are expected.
-    for node, dels in stale.items():
-        if dels:
-            _run(["ip", "-6", "-force", "-n", ns_name(prefix, node), "-batch", "-"], dels, False)
+    _parallel(
+        (
+            (["ip", "-6", "-force", "-n", ns_name(prefix, node), "-batch", "-"], dels)
+            for node, dels in stale.items()
+            if dels
+        ),
+        check=False,
+    )
 
 
 def fail(prefix: str, element: str) -> State:

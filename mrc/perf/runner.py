@@ -350,6 +350,8 @@ def run_server(
         return _serve(s, on_listen)
     except PeerGone as e:
         raise PerfError(f"client went away: {e}") from e
+    except mrc.MrcError as e:  # any other datapath error: a message, not a traceback
+        raise PerfError(f"the run failed: {e}") from e
     finally:
         s.close()
 
@@ -527,6 +529,8 @@ def run_client(opts: PerfOptions, out: TextIO, fabric: tuple[str, str] | None = 
         return _client(s)
     except PeerGone as e:
         raise PerfError(f"server went away: {e}") from e
+    except mrc.MrcError as e:  # any other datapath error: a message, not a traceback
+        raise PerfError(f"the run failed: {e}") from e
     finally:
         s.close()
 

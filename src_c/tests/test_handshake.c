@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -15,6 +16,7 @@
 
 #include "check.h"
 #include "mrc.h"
+#include "mrc_testing.h"
 
 static mrc_ep *ep_new(int n, const char *base)
 {
@@ -143,9 +145,35 @@ static void test_not_mrc(void)
     close(ls);
 }
 
+static void *accept_forever(void *arg)
+{
+    mrc_conn *c;
+    *(int *)((void **)arg)[1] = mrc_ep_accept(((void **)arg)[0], -1, &c);
+    return NULL;
+}
+
+/* An accept blocked in another thread ends with MRC_ECLOSED when the endpoint
+ * is destroyed, which waits for it (nothing of the endpoint is touched after). */
+static void test_destroy_during_accept(void)
+{
+    mrc_ep *b = ep_new(2, "127.0.1.");
+    uint16_t port;
+    CHECK_RC(mrc_ep_listen(b, NULL, 0, &port));
+    int rc = 0;
+    void *args[2] = {b, &rc};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, accept_forever, args) == 0);
+    while (!mrc_ep_accepts_active(b))
+        sched_yield(); /* until the thread is inside mrc_ep_accept */
+    mrc_ep_destroy(b);
+    pthread_join(t, NULL);
+    CHECK(rc == MRC_ECLOSED);
+}
+
 int main(void)
 {
     test_accept_before_listen();
+    test_destroy_during_accept();
     test_race_and_junk();
     test_not_mrc();
     DONE("test_handshake");
