@@ -9,6 +9,7 @@ from libc.string cimport memset, strncpy
 
 cimport mrc._mrc as c
 
+import errno
 import ipaddress
 import operator
 import os
@@ -360,8 +361,20 @@ cdef class Endpoint:
                 rc = c.mrc_conn_establish(cp, hs_ms)
             if rc == 0:
                 return conn
-            dropped.append(f"{conn.peer_name or 'a client'}: {strerror(rc)}")
+            peer = conn.peer_name or "a client"
+            if rc in (c.MRC_ECLOSED, c.MRC_ETIMEOUT, -errno.EPIPE, -errno.ECONNRESET):
+                # The client went away or stalled after its hello: its problem, not
+                # this server's; wait for the next one.
+                dropped.append(f"{peer}: {strerror(rc)}")
+                conn.close()
+                continue
+            what = f"Failed to establish a connection with {peer}"
+            if rc == c.MRC_EUSAGE:
+                what += (f" (its planes {', '.join(conn.peer_planes)} and ours "
+                         f"{', '.join(a for a, _ in self.planes)} do not pair up: "
+                         "address families, or paths naming other addresses)")
             conn.close()
+            raise error_for(rc, what)
 
     def register(self, obj, *, bint remote_write=True) -> MemoryRegion:
         """Register a writable buffer (bytearray, numpy array, memoryview...).
@@ -472,7 +485,7 @@ cdef class Endpoint:
             self.ep = NULL
 
     def __repr__(self) -> str:
-        planes = ", ".join(f"{a}:{p}" for a, p in self.planes)
+        planes = ", ".join(hostport(a, p) for a, p in self.planes)
         return f"<mrc.Endpoint planes=[{planes}]{' closed' if self.ep == NULL else ''}>"
 
 

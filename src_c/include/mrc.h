@@ -77,7 +77,8 @@ struct mrc_ep_config {
 
 void mrc_ep_config_init(struct mrc_ep_config *cfg);
 int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out);
-/* Stops the progress thread; every pending operation fails with MRC_ECLOSED.
+/* Stops the progress thread; every pending operation fails with MRC_ECLOSED,
+ * and so does an mrc_ep_accept blocked in another thread (waited for here).
  * Connections and regions not yet destroyed are freed with it (their handles
  * must not be used again); operations stay the caller's, and only
  * mrc_op_release may be called on them afterwards. */
