@@ -44,6 +44,7 @@ class Acceptor:
         self.conns: dict[str, mrc.Connection] = {}
         self.errors: list[BaseException] = []
         self.done = threading.Event()
+        self.cv = threading.Condition()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -55,19 +56,22 @@ class Acceptor:
                     c = self.ep.accept(timeout=self.slice_s)
                 except mrc.TimeoutError:
                     continue
-                self.conns[c.peer_name] = c
+                with self.cv:
+                    self.conns[c.peer_name] = c
+                    self.cv.notify_all()
         except BaseException as e:  # surfaced by wait()
             self.errors.append(e)
         finally:
             self.done.set()
+            with self.cv:
+                self.cv.notify_all()
 
     def get(self, name: str, timeout: float = 30) -> mrc.Connection:
-        deadline = time.monotonic() + timeout
-        while name not in self.conns:
-            if self.done.is_set() or time.monotonic() > deadline:
+        with self.cv:
+            ok = self.cv.wait_for(lambda: name in self.conns or self.done.is_set(), timeout)
+            if not ok or name not in self.conns:
                 raise AssertionError(f"server never accepted {name}: {self.errors}")
-            time.sleep(0.001)  # polling a dict the acceptor thread fills
-        return self.conns[name]
+            return self.conns[name]
 
     def wait(self) -> None:
         self.thread.join(timeout=120)
