@@ -50,3 +50,95 @@ def save(name: str, data: dict[str, Any]) -> Path:
     out = RESULTS / f"{name}.json"
     out.write_text(json.dumps({"machine": machine(), **data}, indent=2) + "\n")
     return out
+
+
+class CpuMeter:
+    """CPU spent while the block runs, two ways: by the processes it started and
+    waited for (getrusage of the children: user + system), and by the whole machine
+    (/proc/stat: every non-idle jiffy, which also holds the kernel's softirq work of
+    forwarding through the fabric's namespaces, and anything else running). On a
+    machine shared with other work the second is an upper bound.
+
+        with CpuMeter() as cpu:
+            ...run and wait for the processes...
+        cpu.result(gigabytes)  # {"proc_cpu_s", "machine_busy_cpu_s", "*_per_gb", ...}
+    """
+
+    @staticmethod
+    def _stat() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields[:8]), idle  # user..steal; guest time is inside user
+
+    def __enter__(self) -> CpuMeter:
+        import resource
+
+        self._ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self._stat0 = self._stat()
+        self._t0 = time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import resource
+
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        total, idle = self._stat()
+        self.elapsed = time.monotonic() - self._t0
+        self.proc_cpu_s = (ru.ru_utime - self._ru.ru_utime) + (ru.ru_stime - self._ru.ru_stime)
+        jiffies = total - self._stat0[0]
+        busy = jiffies - (idle - self._stat0[1])
+        hz = os.sysconf("SC_CLK_TCK")
+        self.machine_busy_cpu_s = busy / hz
+        self.machine_idle = (idle - self._stat0[1]) / jiffies if jiffies else 0.0
+
+    def result(self, gigabytes: float) -> dict[str, Any]:
+        gb = gigabytes or float("nan")
+        return {
+            "elapsed_s": round(self.elapsed, 3),
+            "proc_cpu_s": round(self.proc_cpu_s, 3),
+            "proc_cpu_s_per_gb": round(self.proc_cpu_s / gb, 3),
+            "machine_busy_cpu_s": round(self.machine_busy_cpu_s, 3),
+            "machine_busy_cpu_s_per_gb": round(self.machine_busy_cpu_s / gb, 3),
+            "machine_idle": round(self.machine_idle, 3),
+        }
+
+
+def iperf3_tcp_streams(
+    fab: Any, streams: list[tuple[str, str, int]], seconds: float
+) -> list[dict[str, Any]]:
+    """iperf3 TCP streams all at once on a running fabric: for each (src host, dst host,
+    plane) a server in dst bound to that plane's address, then a client in src bound to
+    its own plane address, for `seconds`. Returns per stream Gb/s and bytes received."""
+    from mrc.fabric.testing import wait_tcp_listening
+    from mrc.routing import host_planes
+
+    iperf = ensure_tool("iperf3", "iperf3")
+    srvs, clis = [], []
+    for i, (_, dst, plane) in enumerate(streams):
+        port = 5201 + i
+        d = host_planes(fab.fabric, dst)[plane]
+        srvs.append(
+            fab.popen(dst, [iperf, "-s", "-1", "-B", d, "-p", str(port)], stdout=subprocess.DEVNULL)
+        )
+        wait_tcp_listening(fab, dst, port)
+    for i, (src, dst, plane) in enumerate(streams):
+        s, d = host_planes(fab.fabric, src)[plane], host_planes(fab.fabric, dst)[plane]
+        cmd = [iperf, "-c", d, "-B", s, "-p", str(5201 + i), "-t", str(seconds), "-J"]
+        clis.append(fab.popen(src, cmd, stdout=subprocess.PIPE))
+    out = []
+    for (src, dst, plane), c in zip(streams, clis, strict=True):
+        text, _ = c.communicate(timeout=seconds + 30)
+        end = json.loads(text)["end"]["sum_received"]
+        out.append(
+            {
+                "src": src,
+                "dst": dst,
+                "plane": plane,
+                "gbps": end["bits_per_second"] / 1e9,
+                "bytes": end["bytes"],
+            }
+        )
+    for s in srvs:
+        s.wait(timeout=10)
+    return out

@@ -28,7 +28,7 @@ from typing import Any
 
 import click
 import numpy as np
-from common import RESULTS, ensure_tool, save
+from common import RESULTS, ensure_tool, iperf3_tcp_streams, save
 
 from mrc.fabric.testing import fabric_up
 from mrc.routing import host_planes
@@ -241,32 +241,10 @@ def iperf3_tcp(seconds: float, fail_after: float | None) -> dict[str, Any]:
 def iperf3_tcp_all_planes(seconds: float) -> dict[str, Any]:
     """The peer on the same shaped fabric: one iperf3 TCP stream per plane (each pair
     bound to that plane's addresses of SRC and DST), all at once; their sum."""
-    iperf = ensure_tool("iperf3", "iperf3")
-    from mrc.fabric.testing import wait_tcp_listening
-
     with fabric_up(FAB_1G, prefix="bmt") as fab:
-        srcs, dsts = host_planes(fab.fabric, SRC), host_planes(fab.fabric, DST)
-        ports = [5201 + i for i in range(len(srcs))]
-        srvs = [
-            fab.popen(DST, [iperf, "-s", "-1", "-B", d, "-p", str(p)], stdout=subprocess.DEVNULL)
-            for d, p in zip(dsts, ports, strict=True)
-        ]
-        for p in ports:
-            wait_tcp_listening(fab, DST, p)
-        clis = [
-            fab.popen(
-                SRC,
-                [iperf, "-c", d, "-B", s, "-p", str(p), "-t", str(seconds), "-J"],
-                stdout=subprocess.PIPE,
-            )
-            for s, d, p in zip(srcs, dsts, ports, strict=True)
-        ]
-        per_plane = []
-        for c in clis:
-            out, _ = c.communicate(timeout=seconds + 30)
-            per_plane.append(json.loads(out)["end"]["sum_received"]["bits_per_second"] / 1e9)
-        for s in srvs:
-            s.wait(timeout=10)
+        nplanes = len(host_planes(fab.fabric, SRC))
+        streams = iperf3_tcp_streams(fab, [(SRC, DST, i) for i in range(nplanes)], seconds)
+    per_plane = [s["gbps"] for s in streams]
     total = sum(per_plane)
     click.echo(
         f"iperf3 TCP, one stream per plane: {total:.3f} Gb/s "

@@ -428,7 +428,9 @@ cdef class Endpoint:
                 "acks_rx": st.acks_rx, "lost_rack": st.lost_rack, "lost_rto": st.lost_rto,
                 "lost_flush": st.lost_flush, "probe_timeouts": st.probe_timeouts,
                 "link_events": st.link_events,
-                "loop_iters": st.loop_iters, "conns": st.nconns,
+                "loop_iters": st.loop_iters, "rx_reads": st.rx_reads,
+                "rx_gro_reads": st.rx_gro_reads, "tx_sends": st.tx_sends,
+                "conns": st.nconns, "sockets": st.nsocks,
                 "drops": {c.mrc_drop_str(i).decode(): st.drops[i]
                           for i in range(1, c.MRC_DROP_MAX)},
                 "paths": paths,

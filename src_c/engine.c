@@ -111,6 +111,7 @@ static void stats_pt(mrc_ep *ep, struct ctl *x)
     struct mrc_ep_stats *st = x->arg;
     struct mrc_path_stats *ps = x->arg2;
     *st = ep->st;
+    st->nsocks = ep->nsocks;
     st->nconns = 0;
     st->staged_bytes = 0;
     st->npaths = 0;

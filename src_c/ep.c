@@ -174,8 +174,7 @@ int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out)
     pthread_cond_init(&ep->cv, &ca);
     pthread_condattr_destroy(&ca);
 
-    ep->rx_slot = (uint32_t)((MRC_DATA_HDR_LEN + ep->cfg.mss + 64 + 63) & ~63u);
-    ep->rxbuf = aligned_alloc(64, (size_t)MRC_BATCH * ep->rx_slot);
+    ep->rxbuf = aligned_alloc(64, (size_t)(MRC_BATCH + 1) * MRC_RX_SLOT);
     ep->epfd = epoll_create1(EPOLL_CLOEXEC);
     ep->evfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (!ep->rxbuf || ep->epfd < 0 || ep->evfd < 0) {

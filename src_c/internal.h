@@ -29,6 +29,10 @@
 #define MRC_SLOTS 65536u        /* connection and region ids: (random << 16) | slot */
 #define MRC_BATCH 64            /* packets per sendmmsg/recvmmsg */
 #define MRC_MSGW 1024u          /* messages in flight per connection */
+#define MRC_RX_SLOT 65536u     /* bytes per receive slot: a whole UDP GRO read */
+/* Plane sockets plus route sockets, one per (plane, segments before the
+ * destination): 256 spine routes are more than any fabric in routing/ has. */
+#define MRC_MAX_SOCKS (MRC_MAX_PLANES + 256)
 #define MRC_DEFAULT_MSS 8192u
 #define MRC_MAX_MSS 65000u
 #define MRC_PKT_MAX (MRC_DATA_HDR_LEN + MRC_MAX_MSS)
@@ -255,6 +259,7 @@ static_assert(MRC_ACK_LEN >= MRC_DATA_HDR_LEN, "hdr slots fit every header");
 struct msock {
     int fd, plane, nsegs;
     bool no_gso;        /* the kernel refused UDP GSO here: one datagram per packet */
+    bool gro;           /* plane socket with UDP GRO: a read may hold many packets */
     struct in6_addr segs[MRC_MAX_SEGS];
     struct txbatch batch;
 };
@@ -305,7 +310,7 @@ struct mrc_ep {
 
     /* progress thread */
     int nsocks;
-    struct msock *socks[MRC_MAX_PLANES + MRC_MAX_PATHS * 4];
+    struct msock *socks[MRC_MAX_SOCKS];
     mrc_conn *conns[MRC_SLOTS];
     mrc_mr *mrs[MRC_SLOTS];
     mrc_conn *active;        /* connections in the datapath */
@@ -313,8 +318,7 @@ struct mrc_ep {
     mrc_op *done_head;       /* completions to publish */
     uint64_t rng;
     uint64_t next_timer_ns;
-    uint8_t *rxbuf;          /* MRC_BATCH * rx_slot bytes */
-    uint32_t rx_slot;
+    uint8_t *rxbuf;          /* MRC_BATCH + 1 slots of MRC_RX_SLOT bytes (sock_recv_pt) */
     struct mrc_ep_stats st;
     bool work;               /* this loop iteration did something */
 };

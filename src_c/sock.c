@@ -19,9 +19,21 @@ static void sock_bufs(int fd, int size)
         setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, sizeof(size));
 }
 
+#ifndef UDP_GRO
+#define UDP_GRO 104
+#endif
+
+/* MRC_GSO=0 / MRC_GRO=0 turn UDP segmentation offload off (to measure what
+ * it is worth, or to rule it out); anything else leaves it on. */
+static bool env_off(const char *name)
+{
+    const char *v = getenv(name);
+    return v && strcmp(v, "0") == 0;
+}
+
 static struct msock *sock_new(mrc_ep *ep, int fd, int plane)
 {
-    if (ep->nsocks >= (int)(sizeof(ep->socks) / sizeof(ep->socks[0])))
+    if (ep->nsocks >= MRC_MAX_SOCKS)
         return NULL;
     struct msock *s = aligned_alloc(64, (sizeof(*s) + 63) & ~(size_t)63);
     if (!s)
@@ -29,6 +41,7 @@ static struct msock *sock_new(mrc_ep *ep, int fd, int plane)
     memset(s, 0, sizeof(*s));
     s->fd = fd;
     s->plane = plane;
+    s->no_gso = env_off("MRC_GSO");
     ep->socks[ep->nsocks++] = s;
     return s;
 }
@@ -61,9 +74,16 @@ int sock_open_plane(mrc_ep *ep, int i)
     /* The plane socket's index in ep->socks is the plane number. */
     struct msock *s = sock_new(ep, fd, i);
     if (!s) {
-        rc = -ENOMEM;
+        rc = MRC_ENOBUFS;
         goto err_close;
     }
+    /* UDP GRO: the kernel hands up a run of equal-sized datagrams of one
+     * flow (a peer's GSO batch, still whole after loopback or veth hops) as
+     * one buffer and says the segment size in a cmsg; sock_recv_pt cuts it
+     * back into packets. Kernels without it (ENOPROTOOPT) deliver datagram
+     * by datagram, which the same receive loop handles. */
+    int one = 1;
+    s->gro = !env_off("MRC_GRO") && setsockopt(fd, SOL_UDP, UDP_GRO, &one, sizeof(one)) == 0;
     struct epoll_event ev = {.events = EPOLLIN, .data.u32 = (uint32_t)i};
     if (epoll_ctl(ep->epfd, EPOLL_CTL_ADD, fd, &ev) < 0)
         return -errno; /* the socket is in ep->socks: the caller closes it */
@@ -79,20 +99,29 @@ err_close:
  * plane's address with the segment list as a sticky type-4 routing header.
  * Linux refuses a per-packet SRH in sendmsg ancillary data but accepts it per
  * socket; segments are stored in reverse order and the kernel overwrites
- * segments[0] with the sendto() destination. Sockets are shared by every
- * connection that uses the same route.
+ * segments[0] (the last segment, where the packet ends) with the sendto()
+ * destination. So a socket is keyed by its plane and the segments before the
+ * destination only: one socket serves every peer behind the same spines, and
+ * an endpoint needs one per (plane, spine route), not one per peer path (a
+ * full mesh of 64 endpoints on a 32-path fabric fits; test_routes.py).
  */
+static bool sock_route_is(const struct msock *s, int plane, int nsegs,
+                          const struct in6_addr *segs)
+{
+    return s->plane == plane && s->nsegs == nsegs &&
+           memcmp(s->segs, segs, sizeof(*segs) * (size_t)(nsegs - 1)) == 0;
+}
+
 int sock_path_pt(mrc_ep *ep, int plane, int nsegs, const struct in6_addr *segs)
 {
-    for (int i = ep->nplanes; i < ep->nsocks; i++) {
-        struct msock *s = ep->socks[i];
-        if (s->plane == plane && s->nsegs == nsegs &&
-            memcmp(s->segs, segs, sizeof(*segs) * (size_t)nsegs) == 0)
+    for (int i = ep->nplanes; i < ep->nsocks; i++)
+        if (sock_route_is(ep->socks[i], plane, nsegs, segs))
             return i;
-    }
     struct plane *pl = &ep->planes[plane];
     if (pl->addr.ss_family != AF_INET6)
         return MRC_EUSAGE;
+    if (ep->nsocks >= MRC_MAX_SOCKS)
+        return MRC_ENOBUFS;
     int fd = socket(AF_INET6, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return -errno;
@@ -107,6 +136,8 @@ int sock_path_pt(mrc_ep *ep, int plane, int nsegs, const struct in6_addr *segs)
     srh[4] = (uint8_t)(nsegs - 1);     /* last entry */
     srh[5] = 0;                        /* flags */
     srh[6] = srh[7] = 0;               /* tag */
+    /* segments[0]: a placeholder the kernel replaces with each sendto()
+     * destination; the first connection's is as good as any. */
     for (int k = 0; k < nsegs; k++)
         memcpy(srh + 8 + 16 * k, &segs[nsegs - 1 - k], 16);
     int rc;
@@ -243,6 +274,7 @@ int sock_flush_pt(mrc_ep *ep, struct msock *s)
         }
         for (int k = 0; k < r; k++)
             b->sent += b->gcount[k];
+        ep->st.tx_sends += (uint64_t)r;
         ep->work = true;
     }
     b->n = b->sent = 0;
@@ -256,33 +288,78 @@ void sock_flush_all_pt(mrc_ep *ep)
             sock_flush_pt(ep, ep->socks[i]);
 }
 
-/* Receives one burst on plane socket `sock`; returns packets received. */
+/* The segment size of a UDP GRO read, or 0 when the read is one datagram. */
+static size_t gro_segment(struct msghdr *h)
+{
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(h); cm; cm = CMSG_NXTHDR(h, cm))
+        if (cm->cmsg_level == SOL_UDP && cm->cmsg_type == UDP_GRO &&
+            cm->cmsg_len >= CMSG_LEN(sizeof(int))) {
+            int seg;
+            memcpy(&seg, CMSG_DATA(cm), sizeof(seg));
+            return seg > 0 ? (size_t)seg : 0;
+        }
+    return 0;
+}
+
+/*
+ * Receives one burst on plane socket `sock`; returns the reads made (the
+ * caller reads again while a burst fills every slot). Each read is one
+ * datagram or, with UDP GRO, a run of them coalesced by the kernel: all of
+ * segment size but the last, which may be shorter. Every packet of a read
+ * goes through rx_packet_pt (and so mrc_pkt_validate) on its own, exactly as
+ * if it had been read alone; the copy into its region is the only one.
+ */
 int sock_recv_pt(mrc_ep *ep, int sock)
 {
     struct msock *s = ep->socks[sock];
     struct mmsghdr msgs[MRC_BATCH];
     struct iovec iov[MRC_BATCH];
     struct sockaddr_storage from[MRC_BATCH];
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } ctl[MRC_BATCH];
     for (int i = 0; i < MRC_BATCH; i++) {
-        iov[i].iov_base = ep->rxbuf + (size_t)i * ep->rx_slot;
-        iov[i].iov_len = ep->rx_slot;
+        iov[i].iov_base = ep->rxbuf + (size_t)i * MRC_RX_SLOT;
+        iov[i].iov_len = MRC_RX_SLOT;
         msgs[i].msg_hdr = (struct msghdr){.msg_name = &from[i],
                                           .msg_namelen = sizeof(from[i]),
                                           .msg_iov = &iov[i],
-                                          .msg_iovlen = 1};
+                                          .msg_iovlen = 1,
+                                          .msg_control = s->gro ? ctl[i].buf : NULL,
+                                          .msg_controllen = s->gro ? sizeof(ctl[i].buf) : 0};
     }
     int n = recvmmsg(s->fd, msgs, MRC_BATCH, MSG_DONTWAIT, NULL);
     if (n <= 0)
         return 0;
     uint64_t now = now_ns();
+    ep->st.rx_reads += (uint64_t)n;
     for (int i = 0; i < n; i++) {
         size_t len = msgs[i].msg_len;
+        uint8_t *buf = iov[i].iov_base;
         if (msgs[i].msg_hdr.msg_flags & MSG_TRUNC) {
-            /* Larger than any valid packet for our MSS. */
+            /* Larger than the 64 KiB a UDP datagram or GRO read can be. */
             DROP(ep, BAD_LENGTH);
             continue;
         }
-        rx_packet_pt(ep, s->plane, &from[i], iov[i].iov_base, len, now);
+        size_t seg = s->gro ? gro_segment(&msgs[i].msg_hdr) : 0;
+        if (seg == 0 || seg >= len) {
+            rx_packet_pt(ep, s->plane, &from[i], buf, len, now);
+            continue;
+        }
+        ep->st.rx_gro_reads++;
+        for (size_t off = 0; off < len; off += seg) {
+            size_t plen = len - off < seg ? len - off : seg;
+            uint8_t *pkt = buf + off;
+            if (seg % 8) {
+                /* Headers are read in place as structs: a packet at an
+                 * offset that is not a multiple of 8 (small or odd-MSS
+                 * packets) is copied to the aligned spare slot first. */
+                pkt = ep->rxbuf + (size_t)MRC_BATCH * MRC_RX_SLOT;
+                memcpy(pkt, buf + off, plen);
+            }
+            rx_packet_pt(ep, s->plane, &from[i], pkt, plen, now);
+        }
     }
     ep->work = true;
     return n;

@@ -24,7 +24,7 @@ void testing_rx_inject_pt(mrc_ep *ep, void *arg)
 int mrc_ep_rx_inject(mrc_ep *ep, int plane, const void *pkt, size_t len, const char *src_addr,
                      uint16_t src_port)
 {
-    if (plane < 0 || plane >= ep->nplanes || len > ep->rx_slot)
+    if (plane < 0 || plane >= ep->nplanes || len > MRC_RX_SLOT)
         return MRC_EUSAGE;
     struct rx_inject r = {.plane = plane, .pkt = pkt, .len = len};
     socklen_t sl;

@@ -29,10 +29,16 @@ class Control:
         self._sbuf = bytearray(MAX_MSG)
         self._rmr = ep.register(self._rbuf)
         self._smr = ep.register(self._sbuf)
-        self._pending = self._post()
+        self._gone: mrc.MrcError | None = None
+        self._pending: mrc.Operation | None = self._post()
 
     def _post(self) -> mrc.Operation:
         return self.conn.recv(self._rmr, tag=CTRL_TAG)
+
+    def _op(self) -> mrc.Operation:
+        if self._pending is None:
+            raise PeerGone(f"the peer went away: {self._gone}")
+        return self._pending
 
     def send(self, msg: dict[str, Any], timeout: float = 10.0) -> None:
         data = json.dumps(msg).encode()
@@ -46,7 +52,7 @@ class Control:
 
     def poll(self) -> dict[str, Any] | None:
         """The next message if one has arrived, else None."""
-        op = self._pending
+        op = self._op()
         if not op.done:
             return None
         try:
@@ -54,13 +60,18 @@ class Control:
         except mrc.MrcError as e:
             raise PeerGone(f"the peer went away: {e}") from e
         msg: dict[str, Any] = json.loads(bytes(self._rbuf[: op.nbytes]))
-        self._pending = self._post()
+        try:
+            self._pending = self._post()
+        except mrc.MrcError as e:
+            # A peer may close right after its last message (the server after its
+            # "result"): that message still counts; the next poll says it is gone.
+            self._pending, self._gone = None, e
         return msg
 
     def wait(self, timeout: float) -> None:
         """Block until a message is there or `timeout` passes (then just return)."""
         try:
-            self._pending.wait(timeout)
+            self._op().wait(timeout)
         except mrc.TimeoutError:
             return
         except mrc.MrcError as e:
@@ -79,7 +90,7 @@ class Control:
             if left <= 0:
                 raise PeerGone(f"the peer sent nothing for {timeout} s")
             try:
-                self._pending.wait(left)
+                self._op().wait(left)
             except mrc.TimeoutError:
                 continue
             except mrc.MrcError as e:

@@ -294,8 +294,12 @@ struct mrc_ep_stats {
     uint64_t probe_timeouts;
     uint64_t link_events;    /* local interface carrier changes seen */
     uint64_t loop_iters;
+    uint64_t rx_reads;       /* datagrams read from sockets (a UDP GRO read counts once) */
+    uint64_t rx_gro_reads;   /* reads that held several packets, coalesced by UDP GRO */
+    uint64_t tx_sends;       /* datagrams handed to the kernel (a UDP GSO batch counts once) */
     int nconns;
     int npaths;     /* entries filled in paths[] */
+    int nsocks;     /* UDP sockets: one per plane + one per (plane, SRv6 route to a spine) */
 };
 
 /* Snapshot taken by the progress thread. paths may be NULL. */
