@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from mrc._datapath import (
     TAG_ANY,
+    CompletionQueue,
     Connection,
     Endpoint,
     MemoryRegion,
@@ -17,6 +18,7 @@ from mrc._datapath import (
     RemoteRegion,
 )
 from mrc.errors import (
+    BusyError,
     ConnectionClosedError,
     KeyRejectedError,
     MrcError,
@@ -32,6 +34,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TAG_ANY",
+    "BusyError",
+    "CompletionQueue",
     "Connection",
     "ConnectionClosedError",
     "Endpoint",

@@ -1,6 +1,9 @@
 # Typed contract of the Cython binding (mrc/_datapath.pyx).
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol, overload
+
+import numpy as np
+import numpy.typing as npt
 
 from mrc import errors
 from mrc.telemetry import StatsServer
@@ -57,6 +60,7 @@ class Endpoint:
         paths: Sequence[PathLike] | Callable[[str], Sequence[PathLike]] | None = ...,
     ) -> Connection: ...
     def register(self, obj: Any, *, remote_write: bool = ...) -> MemoryRegion: ...
+    def create_cq(self) -> CompletionQueue: ...
     def inject(self, plane: int, loss: float = ..., down: bool = ...) -> None: ...
     def stats(self) -> dict[str, Any]: ...
     def serve_stats(self, path: str) -> StatsServer: ...
@@ -81,6 +85,7 @@ class MemoryRegion:
 
 class Connection:
     endpoint: Endpoint
+    @overload
     def write(
         self,
         local: MemoryRegion,
@@ -90,10 +95,45 @@ class Connection:
         length: int | None = ...,
         remote_offset: int = ...,
         imm: int | None = ...,
+        cq: None = ...,
+        ctx: int = ...,
     ) -> Operation: ...
+    @overload
+    def write(
+        self,
+        local: MemoryRegion,
+        remote: RemoteRegion,
+        *,
+        offset: int = ...,
+        length: int | None = ...,
+        remote_offset: int = ...,
+        imm: int | None = ...,
+        cq: CompletionQueue,
+        ctx: int = ...,
+    ) -> None: ...
+    @overload
     def send(
-        self, local: MemoryRegion, *, offset: int = ..., length: int | None = ..., tag: int = ...
+        self,
+        local: MemoryRegion,
+        *,
+        offset: int = ...,
+        length: int | None = ...,
+        tag: int = ...,
+        cq: None = ...,
+        ctx: int = ...,
     ) -> Operation: ...
+    @overload
+    def send(
+        self,
+        local: MemoryRegion,
+        *,
+        offset: int = ...,
+        length: int | None = ...,
+        tag: int = ...,
+        cq: CompletionQueue,
+        ctx: int = ...,
+    ) -> None: ...
+    @overload
     def recv(
         self,
         local: MemoryRegion,
@@ -101,7 +141,23 @@ class Connection:
         offset: int = ...,
         length: int | None = ...,
         tag: int | None = ...,
+        cq: None = ...,
+        ctx: int = ...,
     ) -> Operation: ...
+    @overload
+    def recv(
+        self,
+        local: MemoryRegion,
+        *,
+        offset: int = ...,
+        length: int | None = ...,
+        tag: int | None = ...,
+        cq: CompletionQueue,
+        ctx: int = ...,
+    ) -> None: ...
+    def set_cq(self, cq: CompletionQueue | None, ctx: int = ...) -> None: ...
+    @property
+    def handle(self) -> int: ...
     def wait_imm(self, timeout: float | None = ...) -> tuple[int, int]: ...
     @property
     def ids(self) -> tuple[int, int]: ...
@@ -134,3 +190,24 @@ class Operation:
     def nbytes(self) -> int: ...
     @property
     def tag(self) -> int: ...
+
+class CompletionQueue:
+    """Rows of poll()/wait(): fields ctx (u8), status (i4), kind (i4: WRITE, SEND,
+    RECV, IMM), bytes (u8), tag (u8), imm (u4), conn (u8: Connection.handle)."""
+
+    WRITE: ClassVar[int]
+    SEND: ClassVar[int]
+    RECV: ClassVar[int]
+    IMM: ClassVar[int]
+    endpoint: Endpoint
+    def __init__(self, endpoint: Endpoint) -> None: ...
+    @property
+    def dtype(self) -> np.dtype[np.void]: ...
+    def poll(self, max: int = ...) -> npt.NDArray[np.void]: ...
+    def wait(self, timeout: float | None = ..., max: int = ...) -> npt.NDArray[np.void]: ...
+    def fileno(self) -> int: ...
+    def close(self) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+    def __enter__(self) -> CompletionQueue: ...
+    def __exit__(self, *exc: object) -> None: ...

@@ -3,9 +3,11 @@
 nothing here runs per packet."""
 
 from cpython.buffer cimport PyBUF_WRITABLE, PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
-from libc.stdint cimport uint16_t, uint32_t, uint64_t
+cimport cython
+from libc.errno cimport ETIMEDOUT
+from libc.stdint cimport uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memset, strncpy
+from libc.string cimport memcpy, memset, strncpy
 
 cimport mrc._mrc as c
 
@@ -35,6 +37,7 @@ _ERRORS = {
     c.MRC_EUSAGE: errors.UsageError,
     c.MRC_ENOBUFS: errors.MrcError,
     c.MRC_ENOTMRC: errors.ProtocolError,
+    c.MRC_EBUSY: errors.BusyError,
 }
 
 _OP_KINDS = {c.MRC_OP_WRITE: "write", c.MRC_OP_SEND: "send", c.MRC_OP_RECV: "recv"}
@@ -208,7 +211,8 @@ cdef class Endpoint:
     """One per process: the local NIC planes, their sockets and the progress thread."""
 
     cdef c.mrc_ep *ep
-    cdef object _children  # WeakSet of Connection and MemoryRegion
+    cdef object _children  # WeakSet of Connection, MemoryRegion, CompletionQueue
+    cdef list _orphans     # regions of CQs collected with ops pending (CompletionQueue)
     cdef readonly tuple planes
     cdef readonly int mss
     cdef readonly double timeout
@@ -216,6 +220,7 @@ cdef class Endpoint:
     def __cinit__(self):
         self.ep = NULL
         self._children = weakref.WeakSet()
+        self._orphans = []
 
     def __init__(self, planes=("127.0.0.1",), *, int port=0, int mss=8192,
                  double timeout=5.0, int window=4096, int sockbuf=8 << 20,
@@ -383,6 +388,10 @@ cdef class Endpoint:
         self._children.add(mr)
         return mr
 
+    def create_cq(self) -> CompletionQueue:
+        """A completion queue on this endpoint (same as CompletionQueue(self))."""
+        return CompletionQueue(self)
+
     def inject(self, int plane, double loss=0.0, bint down=False) -> None:
         """Fault injection on a local plane: drop each sent packet with probability
         `loss` (0..1: 0.05 is 5%; the command lines and MRC_LOSS take percent); `down`
@@ -462,14 +471,28 @@ cdef class Endpoint:
         check(rc, "rx_inject")
 
     def close(self) -> None:
-        """Close every connection and region, then stop the progress thread."""
+        """Close every connection and region, then stop the progress thread.
+        Completion queues are shut down first (a thread in cq.wait() gets
+        ConnectionClosedError) and freed with the endpoint."""
         if self.ep == NULL:
             return
-        for child in list(self._children):
-            child.close()
+        children = list(self._children)
+        cqs = [x for x in children if isinstance(x, CompletionQueue)]
+        for q in cqs:
+            (<CompletionQueue>q)._shutdown()
+        # A waiter may have released the GIL and not yet entered C: it returns at
+        # once now, but the CQ must not be freed before it has.
+        while any((<CompletionQueue>q)._busy for q in cqs):
+            time.sleep(0.001)
+        for child in children:
+            if not isinstance(child, CompletionQueue):
+                child.close()
         with nogil:
             c.mrc_ep_destroy(self.ep)
         self.ep = NULL
+        for q in cqs:
+            (<CompletionQueue>q)._detach()
+        self._orphans.clear()
 
     @property
     def closed(self) -> bool:
@@ -577,9 +600,11 @@ cdef class Connection:
     cdef c.mrc_conn *conn
     cdef object __weakref__
     cdef readonly Endpoint endpoint
+    cdef object _cq  # the CompletionQueue bound with set_cq: kept alive while bound
 
     def __cinit__(self):
         self.conn = NULL
+        self._cq = None
 
     @staticmethod
     cdef Connection _wrap(Endpoint ep, c.mrc_conn *cp):
@@ -624,10 +649,34 @@ cdef class Connection:
                 f"{what}: bytes [{offset}, {offset + n}) are outside the {mr.size}-byte region")
         return n
 
+    cdef object _post(self, c.mrc_wr *wr, MemoryRegion local, uint64_t n, cq, uint64_t ctx,
+                      str what):
+        """Posts wr: to an Operation, or (cq given) to the CQ only, returning None."""
+        cdef c.mrc_op *op = NULL
+        cdef CompletionQueue q
+        cdef c.mrc_conn *cp = self._ptr()
+        wr.mr = local._ptr()
+        if cq is None:
+            check(c.mrc_post(cp, wr, &op), lambda: f"Failed to post a {n}-byte {what}")
+            return Operation._wrap(self, op, local, n)
+        if not isinstance(cq, CompletionQueue):
+            raise errors.UsageError(
+                f"{what}: cq must be a CompletionQueue, got {type(cq).__name__}")
+        q = <CompletionQueue>cq
+        if q.endpoint is not self.endpoint:
+            raise errors.UsageError(f"{what}: the completion queue belongs to another endpoint")
+        wr.cq = q._ptr()
+        wr.ctx = ctx
+        check(c.mrc_post(cp, wr, NULL), lambda: f"Failed to post a {n}-byte {what} to a CQ")
+        q._regions.add(local)  # no Operation holds it: the CQ keeps it alive
+        return None
+
     def write(self, MemoryRegion local, remote, *, offset=0, length=None,
-              remote_offset=0, imm=None) -> Operation:
+              remote_offset=0, imm=None, cq=None, uint64_t ctx=0):
         """RDMA WRITE local[offset:offset+length] to remote[remote_offset:...]. With
-        `imm`, the peer's wait_imm() returns it once every byte is in place."""
+        `imm`, the peer's wait_imm() returns it once every byte is in place.
+        With `cq`, the completion goes to that CompletionQueue with `ctx` and
+        None is returned instead of an Operation."""
         if not isinstance(remote, RemoteRegion):
             raise errors.UsageError("write: remote must be a RemoteRegion (peer's descriptor())")
         cdef uint64_t n = self._span(local, offset, length, "write")
@@ -638,32 +687,73 @@ cdef class Connection:
             raise errors.UsageError(
                 f"write: remote bytes [{remote_offset}, {remote_offset + n}) are outside the "
                 f"peer's {remote.size}-byte region")
-        cdef uint32_t iv = 0 if imm is None else imm
-        cdef int flags = 0 if imm is None else c.MRC_WRITE_IMM
-        cdef c.mrc_op *op = NULL
-        cdef uint64_t key = remote.key
-        check(c.mrc_post_write(self._ptr(), local._ptr(), offset, n, key, remote_offset, iv,
-                               flags, &op), lambda: f"Failed to post a {n}-byte write")
-        return Operation._wrap(self, op, local, n)
+        cdef c.mrc_wr wr
+        memset(&wr, 0, sizeof(wr))
+        wr.kind = c.MRC_OP_WRITE
+        wr.loff = offset
+        wr.len = n
+        wr.rkey = remote.key
+        wr.roff = remote_offset
+        if imm is not None:
+            if not 0 <= imm < 2**32:
+                raise errors.UsageError(f"write: imm must be a 32-bit unsigned value, got {imm}")
+            wr.imm = imm
+            wr.flags = c.MRC_WRITE_IMM
+        return self._post(&wr, local, n, cq, ctx, "write")
 
-    def send(self, MemoryRegion local, *, offset=0, length=None, tag=0) -> Operation:
-        """Two-sided SEND of local[offset:offset+length], matched by tag at the peer."""
+    def send(self, MemoryRegion local, *, offset=0, length=None,
+             tag=0, cq=None, uint64_t ctx=0):
+        """Two-sided SEND of local[offset:offset+length], matched by tag at the peer.
+        `cq`, `ctx`: as for write()."""
         cdef uint64_t n = self._span(local, offset, length, "send")
         tag = _u64(tag, "send", "tag")
-        cdef c.mrc_op *op = NULL
-        check(c.mrc_post_send(self._ptr(), local._ptr(), offset, n, tag, &op),
-              lambda: f"Failed to post a {n}-byte send")
-        return Operation._wrap(self, op, local, n)
+        cdef c.mrc_wr wr
+        memset(&wr, 0, sizeof(wr))
+        wr.kind = c.MRC_OP_SEND
+        wr.loff = offset
+        wr.len = n
+        wr.tag = tag
+        return self._post(&wr, local, n, cq, ctx, "send")
 
-    def recv(self, MemoryRegion local, *, offset=0, length=None, tag=None) -> Operation:
-        """Post a receive buffer for the next SEND with `tag` (None: any tag)."""
+    def recv(self, MemoryRegion local, *, offset=0, length=None,
+             tag=None, cq=None, uint64_t ctx=0):
+        """Post a receive buffer for the next SEND with `tag` (None: any tag).
+        `cq`, `ctx`: as for write()."""
         cdef uint64_t n = self._span(local, offset, length, "recv")
         tag = None if tag is None else _u64(tag, "recv", "tag")
-        cdef uint64_t t = c.MRC_TAG_ANY if tag is None else tag
-        cdef c.mrc_op *op = NULL
-        check(c.mrc_post_recv(self._ptr(), local._ptr(), offset, n, t, &op),
-              lambda: f"Failed to post a {n}-byte recv")
-        return Operation._wrap(self, op, local, n)
+        cdef c.mrc_wr wr
+        memset(&wr, 0, sizeof(wr))
+        wr.kind = c.MRC_OP_RECV
+        wr.loff = offset
+        wr.len = n
+        wr.tag = c.MRC_TAG_ANY if tag is None else tag
+        return self._post(&wr, local, n, cq, ctx, "recv")
+
+    def set_cq(self, cq, uint64_t ctx=0) -> None:
+        """Deliver this connection's immediates (WRITE with imm from the peer) to
+        `cq` as IMM entries carrying `ctx`, instead of to wait_imm(). None unbinds.
+        Immediates already waiting move to the CQ."""
+        cdef CompletionQueue q = None
+        cdef c.mrc_cq *qp = NULL
+        if cq is not None:
+            if not isinstance(cq, CompletionQueue):
+                raise errors.UsageError(
+                    f"set_cq: cq must be a CompletionQueue or None, got {type(cq).__name__}")
+            q = <CompletionQueue>cq
+            if q.endpoint is not self.endpoint:
+                raise errors.UsageError("set_cq: the completion queue belongs to another endpoint")
+            qp = q._ptr()
+        check(c.mrc_conn_set_cq(self._ptr(), qp, ctx), "Failed to bind a completion queue")
+        if self._cq is not None:
+            (<CompletionQueue>self._cq)._bound.discard(self)
+        self._cq = q
+        if q is not None:
+            q._bound.add(self)
+
+    @property
+    def handle(self) -> int:
+        """An integer naming this connection: the `conn` field of its CQ entries."""
+        return <uintptr_t>self._ptr()
 
     def wait_imm(self, timeout=None) -> tuple:
         """The next WRITE-with-immediate that completed here: (imm, length)."""
@@ -718,6 +808,9 @@ cdef class Connection:
             with nogil:
                 c.mrc_conn_destroy(self.conn)
             self.conn = NULL
+        if self._cq is not None:
+            (<CompletionQueue>self._cq)._bound.discard(self)
+            self._cq = None
 
     @property
     def closed(self) -> bool:
@@ -804,3 +897,195 @@ cdef class Operation:
     def __repr__(self) -> str:
         state = "done" if self.done else "pending"
         return f"<mrc.Operation {self.kind} {self.length} bytes {state}>"
+
+
+cdef object _wc_dtype = None
+
+
+cdef object _completion_dtype():
+    """The numpy dtype of one completion: struct mrc_wc itself, so that C fills the
+    array in place (conn: the pointer, as Connection.handle)."""
+    global _wc_dtype
+    cdef c.mrc_wc w
+    cdef char *base = <char *>&w
+    if _wc_dtype is None:
+        import numpy as np
+
+        _wc_dtype = np.dtype({
+            "names": ["ctx", "status", "kind", "bytes", "tag", "imm", "conn"],
+            "formats": ["<u8", "<i4", "<i4", "<u8", "<u8", "<u4", "<u8"],
+            "offsets": [<char *>&w.ctx - base, <char *>&w.status - base,
+                        <char *>&w.kind - base, <char *>&w.bytes - base,
+                        <char *>&w.tag - base, <char *>&w.imm - base,
+                        <char *>&w.conn - base],
+            "itemsize": sizeof(c.mrc_wc),
+        })
+    return _wc_dtype
+
+
+@cython.no_gc_clear  # __dealloc__ may hand its regions to the endpoint
+cdef class CompletionQueue:
+    """Completions of operations posted with cq=this queue, and immediates of
+    connections bound with conn.set_cq(this queue), in completion order.
+
+    poll()/wait() return a numpy structured array, one row per completion, filled
+    by C in one call (no Python object per completion): fields ctx (the post's
+    ctx; IMM: the set_cq ctx), status (0 or a negative code: mrc.strerror()),
+    kind (WRITE, SEND, RECV, IMM below), bytes, tag (RECV: the message's), imm
+    (IMM: the value), conn (Connection.handle of the connection)."""
+
+    WRITE = c.MRC_WC_WRITE
+    SEND = c.MRC_WC_SEND
+    RECV = c.MRC_WC_RECV
+    IMM = c.MRC_WC_IMM
+
+    cdef c.mrc_cq *cq
+    cdef object __weakref__
+    cdef readonly Endpoint endpoint
+    cdef set _regions  # regions posted through it: no Operation keeps them alive
+    cdef object _bound  # WeakSet of the connections bound to it (set_cq)
+    cdef int _busy     # threads in wait() (the GIL released)
+    cdef object _dtype
+    cdef object _empty
+    cdef object _none  # the read-only 0-row array returned when nothing is there
+
+    def __cinit__(self):
+        self.cq = NULL
+        self._busy = 0
+        self._regions = set()
+        self._bound = weakref.WeakSet()
+
+    def __init__(self, Endpoint endpoint) -> None:
+        cdef c.mrc_ep *e = endpoint._ptr()
+        self._dtype = _completion_dtype()
+        import numpy as np
+
+        self._empty = np.empty
+        self._none = np.empty(0, self._dtype)
+        self._none.flags.writeable = False
+        check(c.mrc_cq_create(e, &self.cq), "Failed to create a completion queue")
+        self.endpoint = endpoint
+        endpoint._children.add(self)
+
+    @property
+    def dtype(self):
+        """The numpy dtype of the arrays poll() and wait() return."""
+        return self._dtype
+
+    cdef c.mrc_cq *_ptr(self) except NULL:
+        if self.cq == NULL:
+            if self.endpoint is not None and self.endpoint.closed:
+                raise errors.ConnectionClosedError("completion queue: its endpoint is closed")
+            raise errors.UsageError("completion queue is closed")
+        return self.cq
+
+    cdef object _fill(self, int max, int timeout_ms, bint block):
+        if max < 1:
+            raise errors.UsageError(f"max must be >= 1 completion, got {max}")
+        cdef c.mrc_cq *q = self._ptr()
+        cdef c.mrc_wc small[64]
+        cdef c.mrc_wc *wc = small
+        cdef int n
+        cdef Py_buffer view
+        if max > 64:
+            wc = <c.mrc_wc *>malloc(max * sizeof(c.mrc_wc))
+            if wc == NULL:
+                raise MemoryError()
+        try:
+            if block:
+                self._busy += 1
+                with nogil:
+                    n = c.mrc_cq_wait(q, wc, max, timeout_ms)
+                self._busy -= 1
+            else:
+                n = c.mrc_cq_poll(q, wc, max)
+            if n == -ETIMEDOUT or n == 0:
+                return self._none  # no array to allocate: polling an empty queue is cheap
+            if n == c.MRC_ECLOSED:
+                raise errors.ConnectionClosedError(
+                    "completion queue shut down: its endpoint is closing")
+            if n < 0:
+                raise error_for(n, "Failed to read completions")
+            arr = self._empty(n, self._dtype)
+            PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE)
+            memcpy(view.buf, wc, n * sizeof(c.mrc_wc))
+            PyBuffer_Release(&view)
+            return arr
+        finally:
+            if wc != small:
+                free(wc)
+
+    def poll(self, int max=64):
+        """Up to `max` completions waiting now (never blocks), as an array (a new
+        one per batch; with none waiting, one shared read-only empty array)."""
+        return self._fill(max, 0, False)
+
+    def wait(self, timeout=None, int max=64):
+        """Like poll(), but blocks until at least one completion is there or
+        `timeout` seconds pass (None: forever); on timeout the array is empty."""
+        return self._fill(max, _ms(timeout), True)
+
+    def fileno(self) -> int:
+        """An eventfd readable while completions wait (selectors, asyncio
+        add_reader). Do not read it: the poll() that empties the queue resets it."""
+        return c.mrc_cq_fd(self._ptr())
+
+    def _shutdown(self) -> None:
+        if self.cq != NULL:
+            c.mrc_cq_shutdown(self.cq)
+
+    def _detach(self) -> None:
+        """The endpoint freed the C queue (mrc_ep_destroy)."""
+        self.cq = NULL
+        self._regions.clear()
+        self._bound.clear()
+
+    def close(self) -> None:
+        """Free the queue; connections bound to it are unbound (their immediates go
+        to wait_imm() again). BusyError while operations posted to it are pending or
+        a thread waits on it."""
+        if self.cq == NULL:
+            return
+        if self._busy:
+            raise errors.BusyError(
+                f"Failed to close the completion queue: {self._busy} thread(s) in wait()")
+        for conn in list(self._bound):
+            if not conn.closed:
+                conn.set_cq(None)
+        cdef int rc = c.mrc_cq_destroy(self.cq)
+        if rc == c.MRC_EBUSY:
+            raise errors.BusyError(
+                "Failed to close the completion queue: operations posted to it are still "
+                "pending")
+        check(rc, "Failed to close the completion queue")
+        self.cq = NULL
+        self._regions.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self.cq == NULL
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            self.close()
+        except errors.BusyError:
+            if exc_type is None:
+                raise
+            # Leaving on an error with ops still pending: do not hide that error;
+            # the endpoint frees the queue when it closes.
+
+    def __dealloc__(self):
+        if self.cq == NULL:
+            return
+        if c.mrc_cq_destroy(self.cq) != 0:
+            # Ops still pending: the endpoint frees the C queue when it goes, and
+            # keeps the regions those ops use alive until then.
+            if self.endpoint is not None and self._regions:
+                self.endpoint._orphans.append(self._regions)
+        self.cq = NULL
+
+    def __repr__(self) -> str:
+        return f"<mrc.CompletionQueue{' closed' if self.cq == NULL else ''}>"

@@ -23,6 +23,7 @@ cdef extern from "mrc.h" nogil:
         MRC_EREMOTE
         MRC_ENOBUFS
         MRC_ENOTMRC
+        MRC_EBUSY
         MRC_OP_WRITE
         MRC_OP_SEND
         MRC_OP_RECV
@@ -35,6 +36,8 @@ cdef extern from "mrc.h" nogil:
     ctypedef struct mrc_mr:
         pass
     ctypedef struct mrc_op:
+        pass
+    ctypedef struct mrc_cq:
         pass
 
     const char *mrc_strerror(int rc)
@@ -99,6 +102,38 @@ cdef extern from "mrc.h" nogil:
     void mrc_op_get_result(mrc_op *op, mrc_op_result *res)
     void mrc_op_release(mrc_op *op)
     int mrc_conn_wait_imm(mrc_conn *c, int timeout_ms, uint32_t *imm, uint64_t *len)
+
+    enum:
+        MRC_WC_WRITE
+        MRC_WC_SEND
+        MRC_WC_RECV
+        MRC_WC_IMM
+    struct mrc_wc:
+        uint64_t ctx
+        int status
+        int kind
+        uint64_t bytes
+        uint64_t tag
+        uint32_t imm
+        mrc_conn *conn
+    int mrc_cq_create(mrc_ep *ep, mrc_cq **out)
+    int mrc_cq_destroy(mrc_cq *cq)
+    void mrc_cq_shutdown(mrc_cq *cq)
+    int mrc_cq_fd(const mrc_cq *cq)
+    int mrc_cq_poll(mrc_cq *cq, mrc_wc *wc, int max)
+    int mrc_cq_wait(mrc_cq *cq, mrc_wc *wc, int max, int timeout_ms)
+    int mrc_conn_set_cq(mrc_conn *c, mrc_cq *cq, uint64_t ctx)
+    struct mrc_wr:
+        int kind
+        int flags
+        mrc_mr *mr
+        uint64_t loff, len
+        uint64_t rkey, roff
+        uint32_t imm
+        uint64_t tag
+        mrc_cq *cq
+        uint64_t ctx
+    int mrc_post(mrc_conn *c, const mrc_wr *wr, mrc_op **out)
 
     struct mrc_path_stats:
         int conn_index

@@ -37,3 +37,8 @@ class ProtocolError(MrcError):
 
 class TruncatedError(MrcError):
     """A SEND carried more bytes than the matching RECV buffer holds."""
+
+
+class BusyError(MrcError):
+    """The object is still in use (operations pending on it, connections bound to it,
+    a thread waiting on it): finish or close those first."""

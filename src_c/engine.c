@@ -1,7 +1,9 @@
 /*
  * engine.c - the progress thread: one loop per endpoint that receives,
  * acknowledges, runs timers, transmits and publishes completions. It never
- * blocks while there is work and sleeps in epoll when there is none.
+ * blocks while there is work and sleeps in epoll when there is none: until
+ * the next timer that exists (ep->timed), or without a limit when no
+ * connection has packets in flight, ops queued or paths to probe.
  */
 #include "internal.h"
 
@@ -11,8 +13,36 @@
 #include <sys/epoll.h>
 #include <unistd.h>
 
+static void timed_unlink(mrc_ep *ep, mrc_conn *c)
+{
+    if (!c->timed)
+        return;
+    for (mrc_conn **pp = &ep->timed; *pp; pp = &(*pp)->next_timed)
+        if (*pp == c) {
+            *pp = c->next_timed;
+            break;
+        }
+    c->timed = false;
+}
+
+/* c has a timer to run (ops posted, a path to probe): the loop ticks again
+ * within MRC_TIMER_NS. Only connections on ep->timed are ever scanned. */
+void conn_arm_timer_pt(mrc_conn *c)
+{
+    mrc_ep *ep = c->ep;
+    if (c->timed || !c->active_listed)
+        return;
+    c->timed = true;
+    c->next_timed = ep->timed;
+    ep->timed = c;
+    uint64_t due = now_ns() + MRC_TIMER_NS;
+    if (due < ep->next_timer_ns)
+        ep->next_timer_ns = due;
+}
+
 static void active_unlink(mrc_ep *ep, mrc_conn *c)
 {
+    timed_unlink(ep, c);
     if (!c->active_listed)
         return;
     for (mrc_conn **pp = &ep->active; *pp; pp = &(*pp)->next_active)
@@ -83,6 +113,7 @@ static void conn_add_pt(mrc_ep *ep, struct ctl *x)
         }
     }
     ep->conns[c->slot] = c;
+    DL_APPEND(ep->pt_conns, ep->pt_conns_tail, c, pt_prev, pt_next);
     c->next_active = ep->active;
     ep->active = c;
     c->active_listed = true;
@@ -99,8 +130,10 @@ static void conn_del_pt(mrc_ep *ep, mrc_conn *c)
         conn_fail_pt(c, MRC_ECLOSED, MRC_ECLOSED);
     }
     active_unlink(ep, c);
-    if (ep->conns[c->slot] == c)
+    if (ep->conns[c->slot] == c) {
         ep->conns[c->slot] = NULL;
+        DL_UNLINK(ep->pt_conns, ep->pt_conns_tail, c, pt_prev, pt_next);
+    }
     pthread_mutex_lock(&ep->lock);
     c->state = CONN_CLOSED;
     pthread_mutex_unlock(&ep->lock);
@@ -115,10 +148,9 @@ static void stats_pt(mrc_ep *ep, struct ctl *x)
     st->nconns = 0;
     st->staged_bytes = 0;
     st->npaths = 0;
-    for (uint32_t s = 1; s < MRC_SLOTS; s++) {
-        mrc_conn *c = ep->conns[s];
-        if (!c)
-            continue;
+    /* The connections the datapath knows (failed ones too, until destroyed),
+     * not all MRC_SLOTS slots. */
+    for (mrc_conn *c = ep->pt_conns; c; c = c->pt_next) {
         st->staged_bytes += c->staged_bytes;
         for (int i = 0; i < c->npaths && ps && st->npaths < x->iarg; i++) {
             struct path *p = &c->paths[i];
@@ -201,12 +233,15 @@ static bool engine_drain(mrc_ep *ep)
         n = op->qnext;
         mrc_conn *c = op->conn;
         ep->work = true;
-        if (c->state != CONN_ACTIVE)
+        if (c->state != CONN_ACTIVE) {
             op_complete_pt(ep, op, c->error ? c->error : MRC_ECLOSED);
-        else if (op->kind == MRC_OP_RECV)
+            continue;
+        }
+        if (op->kind == MRC_OP_RECV)
             rx_post_recv_pt(c, op);
         else
             tx_post_pt(c, op);
+        conn_arm_timer_pt(c);
     }
     if (ctls) {
         for (struct ctl *x = ctls; x; x = x->next)
@@ -224,30 +259,93 @@ static bool engine_drain(mrc_ep *ep)
     return !stopping;
 }
 
-static void engine_timers(mrc_ep *ep, uint64_t now)
+/* When c's timers are next due, UINT64_MAX if it has none: then it leaves
+ * ep->timed. Packets in flight (RTOs), ops queued (progress timeout, RNR
+ * back-off) and paths not good (probes) tick every MRC_TIMER_NS; a connection
+ * only waiting on posted RECVs needs its keepalives, MRC_KEEPALIVE_NS apart. */
+#define MRC_KEEPALIVE_GRID_NS 10000000ull
+
+static uint64_t conn_next_timer_pt(const mrc_conn *c, uint64_t now)
 {
-    for (mrc_conn *c = ep->active, *n; c; c = n) {
-        n = c->next_active;
-        bool busy = c->txops_head || c->recvq_head || c->staging;
-        if (c->una != c->next_psn)
-            tx_timers_pt(c, now);
-        path_timers_pt(c, now, busy);
-        bool all_failed = true;
-        for (int i = 0; i < c->npaths && all_failed; i++)
-            all_failed = c->paths[i].state == MRC_PATH_FAILED;
-        if (!all_failed)
-            c->all_failed_since = 0;
-        else if (!c->all_failed_since)
-            c->all_failed_since = now;
-        uint64_t limit = (uint64_t)ep->cfg.timeout_ms * 1000000ull;
-        if (c->txops_head && now - c->last_progress_ns > limit)
-            conn_fail_pt(c, all_failed ? MRC_EPATHDOWN : MRC_ETIMEOUT,
-                         all_failed ? MRC_EPATHDOWN : MRC_ETIMEOUT);
-        else if (busy && all_failed && now - c->all_failed_since > limit)
-            conn_fail_pt(c, MRC_EPATHDOWN, MRC_EPATHDOWN);
+    uint64_t tick = now + MRC_TIMER_NS;
+    if (c->una != c->next_psn || c->txops_head || c->rnr_backoff)
+        return tick;
+    bool busy = c->recvq_head || c->staging;
+    uint64_t due = UINT64_MAX;
+    for (int i = 0; i < c->npaths; i++) {
+        const struct path *p = &c->paths[i];
+        if (p->probe_out || p->state != MRC_PATH_GOOD)
+            return tick;
+        if (busy) {
+            uint64_t last = p->last_rx_ns > p->probe_sent_ns ? p->last_rx_ns : p->probe_sent_ns;
+            uint64_t d = last + MRC_KEEPALIVE_NS + 1;
+            d = d > tick ? d : tick;
+            due = d < due ? d : due;
+        }
     }
+    /* Keepalives are rounded up to a common grid: those of many waiting
+     * connections fall due together, one wake-up for all of them. */
+    if (due != UINT64_MAX)
+        due = (due + MRC_KEEPALIVE_GRID_NS - 1) / MRC_KEEPALIVE_GRID_NS * MRC_KEEPALIVE_GRID_NS;
+    return due;
 }
 
+static void engine_conn_timers(mrc_ep *ep, mrc_conn *c, uint64_t now)
+{
+    bool busy = c->txops_head || c->recvq_head || c->staging;
+    if (c->una != c->next_psn)
+        tx_timers_pt(c, now);
+    path_timers_pt(c, now, busy);
+    bool all_failed = true;
+    for (int i = 0; i < c->npaths && all_failed; i++)
+        all_failed = c->paths[i].state == MRC_PATH_FAILED;
+    if (!all_failed)
+        c->all_failed_since = 0;
+    else if (!c->all_failed_since)
+        c->all_failed_since = now;
+    uint64_t limit = (uint64_t)ep->cfg.timeout_ms * 1000000ull;
+    if (c->txops_head && now - c->last_progress_ns > limit)
+        conn_fail_pt(c, all_failed ? MRC_EPATHDOWN : MRC_ETIMEOUT,
+                     all_failed ? MRC_EPATHDOWN : MRC_ETIMEOUT);
+    else if (busy && all_failed && now - c->all_failed_since > limit)
+        conn_fail_pt(c, MRC_EPATHDOWN, MRC_EPATHDOWN);
+}
+
+/* Runs the timers of the connections that have some (ep->timed), drops those
+ * that have none left, and sets when the loop must wake next. */
+static void engine_timers(mrc_ep *ep, uint64_t now)
+{
+    uint64_t next = UINT64_MAX;
+    ep->next_timer_ns = UINT64_MAX;
+    for (mrc_conn **pp = &ep->timed; *pp;) {
+        mrc_conn *c = *pp;
+        engine_conn_timers(ep, c, now);
+        if (*pp != c)
+            continue; /* it failed: conn_fail_pt took it off the list */
+        uint64_t due = conn_next_timer_pt(c, now);
+        if (due == UINT64_MAX) {
+            *pp = c->next_timed;
+            c->timed = false;
+            continue;
+        }
+        next = due < next ? due : next;
+        pp = &c->next_timed;
+    }
+    if (next < ep->next_timer_ns)
+        ep->next_timer_ns = next;
+}
+
+/* A send batch the kernel refused (EAGAIN) is retried by the next loop. */
+static bool engine_unsent(const mrc_ep *ep)
+{
+    for (int i = 0; i < ep->nsocks; i++)
+        if (ep->socks[i]->batch.n)
+            return true;
+    return false;
+}
+
+/* Sleeps in epoll until a socket, the eventfd, netlink or the next timer
+ * (none: no limit) wakes the loop. */
 static void engine_sleep(mrc_ep *ep, uint64_t now)
 {
     pthread_mutex_lock(&ep->lock);
@@ -255,17 +353,24 @@ static void engine_sleep(mrc_ep *ep, uint64_t now)
     ep->sleeping = idle;
     pthread_mutex_unlock(&ep->lock);
     if (idle) {
-        struct epoll_event evs[MRC_MAX_PLANES + 1];
-        uint64_t wait = ep->next_timer_ns > now ? ep->next_timer_ns - now : 0;
+        struct epoll_event evs[MRC_MAX_PLANES + 2];
+        uint64_t due = ep->next_timer_ns;
+        if (engine_unsent(ep) && due > now + MRC_TIMER_NS)
+            due = now + MRC_TIMER_NS;
+        uint64_t wait = due > now ? due - now : 0;
         struct timespec ts = {.tv_sec = (time_t)(wait / 1000000000ull),
                               .tv_nsec = (long)(wait % 1000000000ull)};
-        int n = epoll_pwait2(ep->epfd, evs, MRC_MAX_PLANES + 1, &ts, NULL);
-        for (int i = 0; i < n; i++)
+        int n = epoll_pwait2(ep->epfd, evs, MRC_MAX_PLANES + 2,
+                             due == UINT64_MAX ? NULL : &ts, NULL);
+        for (int i = 0; i < n; i++) {
             if (evs[i].data.u32 == UINT32_MAX) {
                 uint64_t v;
                 if (read(ep->evfd, &v, sizeof(v)) < 0) {
                 }
+            } else if (evs[i].data.u32 == UINT32_MAX - 1) {
+                ep->nl_ready = true;
             }
+        }
         pthread_mutex_lock(&ep->lock);
         ep->sleeping = false;
         pthread_mutex_unlock(&ep->lock);
@@ -275,7 +380,7 @@ static void engine_sleep(mrc_ep *ep, uint64_t now)
 void *engine_main(void *arg)
 {
     mrc_ep *ep = arg;
-    ep->next_timer_ns = now_ns() + MRC_TIMER_NS;
+    ep->next_timer_ns = UINT64_MAX; /* nothing to time until something is posted */
     for (;;) {
         ep->work = false;
         if (!engine_drain(ep))
@@ -291,12 +396,17 @@ void *engine_main(void *arg)
             }
         }
         uint64_t now = now_ns();
-        if (now >= ep->next_timer_ns) {
+        if (ep->nl_ready) {
+            ep->nl_ready = false;
             link_poll_pt(ep);
-            engine_timers(ep, now);
-            ep->next_timer_ns = now + MRC_TIMER_NS;
         }
-        for (mrc_conn *c = ep->active; c; c = c->next_active)
+        if (now >= ep->next_timer_ns) {
+            link_poll_pt(ep); /* a busy loop may not sleep to see netlink wake it */
+            engine_timers(ep, now);
+        }
+        /* Only connections with timers can have something to send: data to
+         * send means ops queued, retransmissions mean packets in flight. */
+        for (mrc_conn *c = ep->timed; c; c = c->next_timed)
             if (tx_run_pt(c))
                 ep->work = true;
         sock_flush_all_pt(ep);
@@ -306,9 +416,8 @@ void *engine_main(void *arg)
             engine_sleep(ep, now_ns());
     }
     /* Stopping: every connection fails its pending operations. */
-    for (uint32_t s = 1; s < MRC_SLOTS; s++)
-        if (ep->conns[s])
-            conn_del_pt(ep, ep->conns[s]);
+    while (ep->pt_conns)
+        conn_del_pt(ep, ep->pt_conns);
     sock_flush_all_pt(ep);
     ep_publish_pt(ep);
     return NULL;

@@ -34,6 +34,7 @@ const char *mrc_strerror(int rc)
     case MRC_EREMOTE: return "connection failed after a remote access error";
     case MRC_ENOBUFS: return "table full";
     case MRC_ENOTMRC: return "not an mrc endpoint (it answered in another protocol)";
+    case MRC_EBUSY: return "still in use by pending operations";
     default: return rc < 0 && rc > -4096 ? strerror(-rc) : "unknown error";
     }
 }
@@ -172,6 +173,8 @@ int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out)
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&ep->cv, &ca);
+    for (int i = 0; i < MRC_OP_CVS; i++)
+        pthread_cond_init(&ep->op_cv[i], &ca);
     pthread_condattr_destroy(&ca);
 
     ep->rxbuf = aligned_alloc(64, (size_t)(MRC_BATCH + 1) * MRC_RX_SLOT);
@@ -217,6 +220,8 @@ err_free:
     free(ep->rxbuf);
     pthread_mutex_destroy(&ep->lock);
     pthread_cond_destroy(&ep->cv);
+    for (int i = 0; i < MRC_OP_CVS; i++)
+        pthread_cond_destroy(&ep->op_cv[i]);
     free(ep);
     return rc;
 }
@@ -232,12 +237,16 @@ void mrc_ep_destroy(mrc_ep *ep)
     ep_wake(ep);
     pthread_join(ep->thread, NULL);
     /* The thread failed every pending op and freed every connection's
-     * datapath state before it returned (engine_main). What the caller did
-     * not destroy goes now: its handles are dangling from here on. */
+     * datapath state before it returned (engine_main); ops posted to a CQ
+     * have their MRC_ECLOSED entry there. What the caller did not destroy
+     * goes now: its handles are dangling from here on. Connections go before
+     * CQs: freeing one unbinds it from its CQ. */
+    cq_stop_waiters(ep);
     while (ep->own_conns)
         conn_free(ep->own_conns);
     while (ep->own_mrs)
         mr_free(ep->own_mrs);
+    cq_free_all(ep);
     for (int i = 0; i < ep->nsocks; i++) {
         close(ep->socks[i]->fd);
         free(ep->socks[i]);
@@ -249,6 +258,8 @@ void mrc_ep_destroy(mrc_ep *ep)
     free(ep->rxbuf);
     pthread_mutex_destroy(&ep->lock);
     pthread_cond_destroy(&ep->cv);
+    for (int i = 0; i < MRC_OP_CVS; i++)
+        pthread_cond_destroy(&ep->op_cv[i]);
     free(ep);
 }
 
@@ -386,17 +397,21 @@ static void mr_free(mrc_mr *mr)
 
 /* ---- operations ---------------------------------------------------------- */
 
+/* Hands op to the progress thread. References: the progress thread's until
+ * it publishes the completion, the caller's if out, the CQ entry's if cq. */
 static int op_post(mrc_conn *c, mrc_op *op, mrc_op **out)
 {
     mrc_ep *ep = c->ep;
-    atomic_init(&op->refs, 2);
+    atomic_init(&op->refs, 1 + (out != NULL) + (op->cq != NULL));
     pthread_mutex_lock(&ep->lock);
-    if (ep->stopping || c->state != CONN_ACTIVE) {
+    if (ep->stopping || c->state != CONN_ACTIVE || (op->cq && op->cq->shut)) {
         int err = c->state == CONN_ACTIVE ? MRC_ECLOSED : (c->error ? c->error : MRC_ECLOSED);
         pthread_mutex_unlock(&ep->lock);
         free(op);
         return err;
     }
+    if (op->cq)
+        op->cq->npending++;
     op->qnext = NULL;
     if (ep->subq_tail)
         ep->subq_tail->qnext = op;
@@ -407,59 +422,70 @@ static int op_post(mrc_conn *c, mrc_op *op, mrc_op **out)
     pthread_mutex_unlock(&ep->lock);
     if (wake)
         ep_wake(ep);
-    *out = op;
+    if (out)
+        *out = op;
     return 0;
 }
 
-static mrc_op *op_new(mrc_conn *c, int kind, mrc_mr *lmr, uint64_t loff, uint64_t len)
+static mrc_op *op_new(mrc_conn *c, const struct mrc_wr *wr)
 {
-    if (!c || !lmr || lmr->ep != c->ep || len > lmr->len || loff > lmr->len - len)
+    mrc_mr *lmr = wr->mr;
+    if (!lmr || lmr->ep != c->ep || wr->len > lmr->len || wr->loff > lmr->len - wr->len)
         return NULL;
     mrc_op *op = calloc(1, sizeof(*op));
     if (!op)
         return NULL;
-    op->kind = kind;
+    op->kind = wr->kind;
+    op->flags = wr->flags;
     op->ep = c->ep;
     op->conn = c;
     op->mr = lmr;
-    op->loff = loff;
-    op->len = len;
+    op->loff = wr->loff;
+    op->len = wr->len;
+    op->rkey = wr->rkey;
+    op->roff = wr->roff;
+    op->imm = wr->imm;
+    op->tag = wr->tag;
+    op->cq = wr->cq;
+    op->ctx = wr->ctx;
+    op->cqe.op = op;
     return op;
+}
+
+int mrc_post(mrc_conn *c, const struct mrc_wr *wr, mrc_op **out)
+{
+    if (!c || !wr || (!out && !wr->cq) || (wr->cq && wr->cq->ep != c->ep))
+        return MRC_EUSAGE;
+    if (wr->kind != MRC_OP_WRITE && wr->kind != MRC_OP_SEND && wr->kind != MRC_OP_RECV)
+        return MRC_EUSAGE;
+    if (wr->flags & ~(wr->kind == MRC_OP_WRITE ? MRC_WRITE_IMM : 0))
+        return MRC_EUSAGE;
+    mrc_op *op = op_new(c, wr);
+    if (!op)
+        return MRC_EUSAGE;
+    return op_post(c, op, out);
 }
 
 int mrc_post_write(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t rkey,
                    uint64_t roff, uint32_t imm, int flags, mrc_op **out)
 {
-    if (flags & ~MRC_WRITE_IMM)
-        return MRC_EUSAGE;
-    mrc_op *op = op_new(c, MRC_OP_WRITE, lmr, loff, len);
-    if (!op)
-        return MRC_EUSAGE;
-    op->rkey = rkey;
-    op->roff = roff;
-    op->imm = imm;
-    op->flags = flags;
-    return op_post(c, op, out);
+    struct mrc_wr wr = {.kind = MRC_OP_WRITE, .flags = flags, .mr = lmr, .loff = loff,
+                        .len = len, .rkey = rkey, .roff = roff, .imm = imm};
+    return out ? mrc_post(c, &wr, out) : MRC_EUSAGE;
 }
 
 int mrc_post_send(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t tag,
                   mrc_op **out)
 {
-    mrc_op *op = op_new(c, MRC_OP_SEND, lmr, loff, len);
-    if (!op)
-        return MRC_EUSAGE;
-    op->tag = tag;
-    return op_post(c, op, out);
+    struct mrc_wr wr = {.kind = MRC_OP_SEND, .mr = lmr, .loff = loff, .len = len, .tag = tag};
+    return out ? mrc_post(c, &wr, out) : MRC_EUSAGE;
 }
 
 int mrc_post_recv(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t tag,
                   mrc_op **out)
 {
-    mrc_op *op = op_new(c, MRC_OP_RECV, lmr, loff, len);
-    if (!op)
-        return MRC_EUSAGE;
-    op->tag = tag;
-    return op_post(c, op, out);
+    struct mrc_wr wr = {.kind = MRC_OP_RECV, .mr = lmr, .loff = loff, .len = len, .tag = tag};
+    return out ? mrc_post(c, &wr, out) : MRC_EUSAGE;
 }
 
 static void op_unref(mrc_op *op)
@@ -468,9 +494,10 @@ static void op_unref(mrc_op *op)
         free(op);
 }
 
-/* Waits on ep->cv, with ep->lock held, until ready(arg) or timeout_ms pass
+/* Waits on cv, with ep->lock held, until ready(arg) or timeout_ms pass
  * (0: just look, <0: no limit). Returns ready(arg). */
-static bool wait_for(mrc_ep *ep, int timeout_ms, bool (*ready)(const void *), const void *arg)
+static bool wait_for(mrc_ep *ep, pthread_cond_t *cv, int timeout_ms, bool (*ready)(const void *),
+                     const void *arg)
 {
     struct timespec dl;
     clock_gettime(CLOCK_MONOTONIC, &dl);
@@ -483,8 +510,8 @@ static bool wait_for(mrc_ep *ep, int timeout_ms, bool (*ready)(const void *), co
         }
     }
     while (!ready(arg) && timeout_ms != 0) {
-        int rc = timeout_ms < 0 ? pthread_cond_wait(&ep->cv, &ep->lock)
-                                : pthread_cond_timedwait(&ep->cv, &ep->lock, &dl);
+        int rc = timeout_ms < 0 ? pthread_cond_wait(cv, &ep->lock)
+                                : pthread_cond_timedwait(cv, &ep->lock, &dl);
         if (rc == ETIMEDOUT)
             break;
     }
@@ -497,7 +524,9 @@ int mrc_op_wait(mrc_op *op, int timeout_ms)
 {
     mrc_ep *ep = op->ep;
     pthread_mutex_lock(&ep->lock);
-    bool done = wait_for(ep, timeout_ms, op_ready, op);
+    op->waiters++; /* ep_publish_pt wakes the op's bucket only if someone waits */
+    bool done = wait_for(ep, &ep->op_cv[op_cv_index(op)], timeout_ms, op_ready, op);
+    op->waiters--;
     pthread_mutex_unlock(&ep->lock);
     return done ? 0 : -ETIMEDOUT;
 }
@@ -531,7 +560,7 @@ int mrc_conn_wait_imm(mrc_conn *c, int timeout_ms, uint32_t *imm, uint64_t *len)
 {
     mrc_ep *ep = c->ep;
     pthread_mutex_lock(&ep->lock);
-    wait_for(ep, timeout_ms, imm_ready, c);
+    wait_for(ep, &ep->cv, timeout_ms, imm_ready, c);
     struct imm_ev *ev = c->imm_head;
     if (ev) {
         c->imm_head = ev->next;
@@ -558,18 +587,38 @@ void op_complete_pt(mrc_ep *ep, mrc_op *op, int status)
     ep->done_head = op;
 }
 
+/* Makes a batch of completions visible: done on their handles, entries on
+ * their CQs (in completion order). Only the op_cv buckets of ops a thread
+ * waits on are broadcast; CQ waiters are woken by their own CQ (cq_push_locked). */
 void ep_publish_pt(mrc_ep *ep)
 {
     if (!ep->done_head)
         return;
-    mrc_op *list = ep->done_head;
+    mrc_op *list = NULL;
+    for (mrc_op *op = ep->done_head, *n; op; op = n) { /* newest first: reverse */
+        n = op->qnext;
+        op->qnext = list;
+        list = op;
+    }
     ep->done_head = NULL;
+    uint32_t wake = 0;
     pthread_mutex_lock(&ep->lock);
     for (mrc_op *op = list; op; op = op->qnext) {
         op->status = op->pt_status;
         op->done = 1;
+        if (op->waiters)
+            wake |= 1u << op_cv_index(op);
+        if (op->cq) {
+            op->cqe.wc = (struct mrc_wc){.ctx = op->ctx, .status = op->status,
+                                         .kind = op->kind, .bytes = op->res_bytes,
+                                         .tag = op->res_tag, .conn = op->conn};
+            op->cq->npending--;
+            cq_push_locked(op->cq, &op->cqe);
+        }
     }
-    pthread_cond_broadcast(&ep->cv);
+    for (int i = 0; wake; i++, wake >>= 1)
+        if (wake & 1)
+            pthread_cond_broadcast(&ep->op_cv[i]);
     pthread_mutex_unlock(&ep->lock);
     for (mrc_op *op = list, *n; op; op = n) {
         n = op->qnext;

@@ -834,6 +834,7 @@ void conn_free(mrc_conn *c)
     free(c->rx_bits);
     free(c->msgs);
     pthread_mutex_lock(&ep->lock);
+    cq_conn_unbind_locked(c);
     ep->conn_free[ep->nconn_free++] = c->slot;
     DL_UNLINK(ep->own_conns, ep->own_conns_tail, c, own_prev, own_next);
     pthread_mutex_unlock(&ep->lock);

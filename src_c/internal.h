@@ -38,7 +38,7 @@
 #define MRC_PKT_MAX (MRC_DATA_HDR_LEN + MRC_MAX_MSS)
 
 /* Timing policy (ns). */
-#define MRC_TIMER_NS 250000ull          /* timer scan period */
+#define MRC_TIMER_NS 250000ull          /* timer scan period while packets are in flight */
 #define MRC_MIN_RTO_NS 5000000ull       /* floor of a path's retransmit timeout */
 #define MRC_MIN_QUICK_RTO_NS 1000000ull /* floor while other paths deliver */
 #define MRC_PROBE_INTERVAL_NS 5000000ull /* failed/probing paths are probed this often */
@@ -89,6 +89,8 @@ static inline uint64_t rng_next(uint64_t *s)
     return x * 0x2545F4914F6CDD1Dull;
 }
 
+#define MRC_OP_CVS 16
+
 /* ---- objects ------------------------------------------------------------- */
 
 struct mrc_mr {
@@ -100,8 +102,30 @@ struct mrc_mr {
     int access;        /* [const] */
 };
 
+/* A completion waiting on a CQ: embedded in its op, or allocated for an
+ * immediate (op NULL). */
+struct cq_ent {
+    struct cq_ent *next;
+    mrc_op *op;         /* holds one reference until polled; NULL: immediate */
+    struct mrc_wc wc;
+};
+
+struct mrc_cq {
+    mrc_ep *ep;                         /* [const] */
+    struct mrc_cq *own_prev, *own_next; /* [lock] ep->own_cqs: freed by mrc_ep_destroy */
+    int fd;                             /* [const] eventfd, readable while head != NULL */
+    pthread_cond_t cv;                  /* waiters of this CQ only */
+    /* [lock] */
+    struct cq_ent *head, *tail;
+    bool fd_set;        /* the eventfd counter is non-zero */
+    int waiters;        /* threads inside mrc_cq_wait */
+    uint64_t npending;  /* ops posted to it and not yet completed */
+    int nbound;         /* connections bound with mrc_conn_set_cq */
+    bool shut;          /* mrc_cq_shutdown */
+};
+
 struct mrc_op {
-    atomic_int refs;    /* the caller's reference + the progress thread's */
+    atomic_int refs;    /* the caller's (if out), the progress thread's, the CQ's (if cq) */
     int kind;           /* [const] enum mrc_op_kind */
     int flags;          /* [const] MRC_WRITE_IMM */
     mrc_ep *ep;         /* [const] outlives the connection */
@@ -110,6 +134,9 @@ struct mrc_op {
     uint64_t loff, len; /* [const] */
     uint64_t rkey, roff, tag; /* [const] */
     uint32_t imm;       /* [const] */
+    mrc_cq *cq;         /* [const] NULL: completes on the handle only */
+    uint64_t ctx;       /* [const] returned in the CQ entry */
+    struct cq_ent cqe;  /* [lock] its entry on cq once complete */
     /* progress thread */
     uint32_t msn;
     uint64_t seg_off;   /* next byte to put in a packet */
@@ -121,6 +148,7 @@ struct mrc_op {
     struct mrc_op *qnext;       /* submission or completion list */
     /* [lock] */
     int done, status;
+    int waiters;        /* threads in mrc_op_wait: publish wakes ep->cv only for them */
 };
 
 /* One transmitted (or pending) packet, indexed by psn % window. */
@@ -202,6 +230,9 @@ struct mrc_conn {
     int path_index[MRC_MAX_PATHS]; /* wire path id -> index in paths[], -1 none */
     bool active_listed, in_ackq, closing_sent;
     struct mrc_conn *next_active, *next_ack;
+    struct mrc_conn *pt_prev, *pt_next; /* ep->pt_conns: every connection in ep->conns[] */
+    bool timed;                  /* on ep->timed: has timers to run (engine_timers) */
+    struct mrc_conn *next_timed;
 
     /* transmit */
     struct tx_pkt *tx;
@@ -232,8 +263,10 @@ struct mrc_conn {
     uint32_t ack_echo_psn[MRC_MAX_PATHS];
     uint64_t ack_echo_ts[MRC_MAX_PATHS];
 
-    /* [lock] immediates delivered to the user */
+    /* [lock] immediates delivered to the user: on imm_head, or on cq when bound */
     struct imm_ev *imm_head, *imm_tail;
+    mrc_cq *cq;
+    uint64_t cq_ctx;
 };
 
 /* A socket: one per plane (receives everything for the plane, sends plain
@@ -298,7 +331,9 @@ struct mrc_ep {
 
     /* [lock] */
     pthread_mutex_t lock;
-    pthread_cond_t cv;
+    pthread_cond_t cv;                  /* control requests, immediates, connection state */
+    pthread_cond_t op_cv[MRC_OP_CVS];   /* op waiters, by op_cv_index: a batch wakes only
+                                         * the buckets of its ops that someone waits on */
     bool stopping, sleeping;
     mrc_op *subq_head, *subq_tail;
     struct ctl *ctlq_head, *ctlq_tail;
@@ -306,6 +341,7 @@ struct mrc_ep {
     uint32_t mr_free[MRC_SLOTS], nmr_free;
     mrc_conn *own_conns, *own_conns_tail; /* connections and regions not yet destroyed */
     mrc_mr *own_mrs, *own_mrs_tail;
+    mrc_cq *own_cqs, *own_cqs_tail;
     struct hs_state *hs; /* [lock] listeners and pending hellos (handshake.c) */
 
     /* progress thread */
@@ -314,14 +350,23 @@ struct mrc_ep {
     mrc_conn *conns[MRC_SLOTS];
     mrc_mr *mrs[MRC_SLOTS];
     mrc_conn *active;        /* connections in the datapath */
+    mrc_conn *pt_conns, *pt_conns_tail; /* every connection in conns[], in order of adding */
+    mrc_conn *timed;         /* active connections with timers to run; none: no tick */
     mrc_conn *ackq;          /* connections owing ACKs */
-    mrc_op *done_head;       /* completions to publish */
+    mrc_op *done_head;       /* completions to publish, newest first */
     uint64_t rng;
-    uint64_t next_timer_ns;
+    uint64_t next_timer_ns;  /* UINT64_MAX: no timer exists, sleep until woken */
+    bool nl_ready;           /* the netlink socket woke the loop */
     uint8_t *rxbuf;          /* MRC_BATCH + 1 slots of MRC_RX_SLOT bytes (sock_recv_pt) */
     struct mrc_ep_stats st;
     bool work;               /* this loop iteration did something */
 };
+
+static inline unsigned op_cv_index(const void *op)
+{
+    uintptr_t a = (uintptr_t)op;
+    return (unsigned)((a >> 6) ^ (a >> 12)) % MRC_OP_CVS; /* ops are >= 64-byte allocations */
+}
 
 /* ep.c */
 int ep_ctl(mrc_ep *ep, struct ctl *c);
@@ -337,6 +382,13 @@ int addr_parse(const char *s, uint16_t port, struct sockaddr_storage *ss, sockle
 void addr_format(const struct sockaddr_storage *ss, char *buf, size_t len);
 bool addr_same_host(const struct sockaddr_storage *a, const struct sockaddr_storage *b);
 uint64_t rand_u64(void);
+
+/* cq.c */
+void cq_push_locked(mrc_cq *cq, struct cq_ent *e);
+void cq_conn_unbind_locked(mrc_conn *c);
+void cq_free_all(mrc_ep *ep);
+void cq_stop_waiters(mrc_ep *ep);
+int conn_imm_pt(mrc_conn *c, uint32_t imm, uint64_t len);
 
 /* sock.c */
 int sock_open_plane(mrc_ep *ep, int plane);
@@ -391,6 +443,7 @@ void link_poll_pt(mrc_ep *ep);
 
 /* engine.c */
 void *engine_main(void *arg);
+void conn_arm_timer_pt(mrc_conn *c);
 
 #define MRC_RNR_MIN_NS 1000000ull    /* first back-off after a receiver-not-ready */
 #define MRC_RNR_MAX_NS 64000000ull   /* back-off doubles up to this */

@@ -14,6 +14,7 @@
 #include <linux/rtnetlink.h>
 #include <net/if.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <unistd.h>
 
 /* The interface that holds each plane's address (0: none found, e.g. a
@@ -49,6 +50,13 @@ int link_open(mrc_ep *ep)
         return 0; /* no netlink (unusual sandbox): timeouts still find failures */
     struct sockaddr_nl sa = {.nl_family = AF_NETLINK, .nl_groups = RTMGRP_LINK};
     if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+        close(fd);
+        return 0;
+    }
+    /* In the epoll set: an idle loop sleeps without a timer, and a carrier
+     * change must still wake it (UINT32_MAX - 1 names this fd). */
+    struct epoll_event ev = {.events = EPOLLIN, .data.u32 = UINT32_MAX - 1};
+    if (epoll_ctl(ep->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
         close(fd);
         return 0;
     }

@@ -166,6 +166,8 @@ void path_set_state_pt(mrc_conn *c, struct path *p, int state, uint64_t now)
     p->state_since = now;
     p->changes++;
     p->probe_ok = 0;
+    if (state != MRC_PATH_GOOD)
+        conn_arm_timer_pt(c); /* probes to send, a failure to time */
     switch (state) {
     case MRC_PATH_GOOD:
         p->consec_loss = 0;

@@ -136,25 +136,13 @@ static mrc_op *rx_bind_recv(mrc_conn *c, struct rx_msg *m)
 
 static void rx_deliver_pt(mrc_conn *c)
 {
-    mrc_ep *ep = c->ep;
     for (;;) {
         struct rx_msg *m = &c->msgs[c->rx_deliver_msn % MRC_MSGW];
         if (!m->used || m->msn != c->rx_deliver_msn || !m->have_last ||
             !psn_lt(m->last_psn, c->rx_cum))
             break;
         if (m->type == MRC_PKT_WRITE && (m->flags & MRC_F_IMM)) {
-            struct imm_ev *ev = malloc(sizeof(*ev));
-            if (ev) {
-                *ev = (struct imm_ev){.imm = m->imm, .len = m->msg_len};
-                pthread_mutex_lock(&ep->lock);
-                if (c->imm_tail)
-                    c->imm_tail->next = ev;
-                else
-                    c->imm_head = ev;
-                c->imm_tail = ev;
-                pthread_cond_broadcast(&ep->cv);
-                pthread_mutex_unlock(&ep->lock);
-            }
+            conn_imm_pt(c, m->imm, m->msg_len); /* on the conn's CQ if bound */
         } else if (m->type == MRC_PKT_SEND && m->recv) {
             recv_complete(c, m->recv, NULL, m->msg_len, m->key);
         } else if (m->type == MRC_PKT_SEND) {

@@ -45,9 +45,12 @@ fabric, host, n, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv
 eps = [fabric_endpoint(fabric, host) for _ in range(n)]
 print(json.dumps([fe.listen() for fe in eps]), flush=True)
 out = {}
+conns = []  # kept open with the endpoints: a connection closed as soon as its RECV
+            # completed could fail the hub's SEND before its last ACK arrived there
 def serve(k):
     fe = eps[k]
     conn = fe.accept(timeout=30)
+    conns.append(conn)
     buf = np.zeros(size, np.uint8)
     conn.recv(fe.endpoint.register(buf)).wait(timeout=30)
     out[k] = hashlib.sha256(buf).hexdigest()

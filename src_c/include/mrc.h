@@ -185,12 +185,14 @@ void mrc_op_release(mrc_op *op);
 int mrc_conn_wait_imm(mrc_conn *c, int timeout_ms, uint32_t *imm, uint64_t *len);
 
 /* ---- completion queues --------------------------------------------------
- * CONTRACT (issue 10; implemented in src_c/cq.c). A CQ belongs to one endpoint.
- * Operations posted with mrc_post() and a cq complete there with the post's
- * 64-bit ctx; immediates of a connection bound with mrc_conn_set_cq() arrive
- * there as MRC_WC_IMM entries instead of on mrc_conn_wait_imm(). Only waiters
- * of this CQ are woken by its completions. mrc_cq_fd() is readable (an eventfd)
- * while completions wait, so a CQ can join epoll/selectors/asyncio. */
+ * (src_c/cq.c) A CQ belongs to one endpoint. Operations posted with mrc_post()
+ * and a cq complete there, in completion order, with the post's 64-bit ctx;
+ * immediates of a connection bound with mrc_conn_set_cq() arrive there as
+ * MRC_WC_IMM entries instead of on mrc_conn_wait_imm(). Only waiters of this
+ * CQ are woken by its completions. mrc_cq_fd() is readable (an eventfd) while
+ * completions wait, so a CQ can join epoll/selectors/asyncio; do not read it
+ * yourself: the poll that empties the CQ resets it. The queue needs no memory
+ * of its own (an op's entry lives in the op) and never drops a completion. */
 typedef struct mrc_cq mrc_cq;
 
 enum mrc_wc_kind { MRC_WC_WRITE = 1, MRC_WC_SEND = 2, MRC_WC_RECV = 3, MRC_WC_IMM = 4 };
@@ -206,15 +208,24 @@ struct mrc_wc {
 };
 
 int mrc_cq_create(mrc_ep *ep, mrc_cq **out);
-/* MRC_EBUSY while operations posted to it are pending or connections bound to it
- * live. mrc_ep_destroy frees CQs left open. */
+/* MRC_EBUSY while operations posted to it are pending, connections bound to it
+ * live or a thread waits in mrc_cq_wait; entries not yet polled are dropped.
+ * mrc_ep_destroy frees CQs left open, after the endpoint's pending ops have
+ * completed into them with MRC_ECLOSED and threads in mrc_cq_wait returned. */
 int mrc_cq_destroy(mrc_cq *cq);
+/* Shuts the CQ down without freeing it: threads in mrc_cq_wait return, and
+ * from now on mrc_cq_wait returns MRC_ECLOSED once it is empty and mrc_post to
+ * it fails with MRC_ECLOSED (ops already posted still complete into it).
+ * Bindings call it before freeing the endpoint, so that no thread is left
+ * about to wait on a CQ that goes. */
+void mrc_cq_shutdown(mrc_cq *cq);
 int mrc_cq_fd(const mrc_cq *cq);
 /* Up to max completions, never blocks: returns how many (>= 0) or a negative code. */
 int mrc_cq_poll(mrc_cq *cq, struct mrc_wc *wc, int max);
 /* Like poll, but blocks until at least one (returns n > 0) or -ETIMEDOUT;
- * timeout_ms < 0 waits forever. */
+ * timeout_ms < 0 waits forever. MRC_ECLOSED once the endpoint is being destroyed. */
 int mrc_cq_wait(mrc_cq *cq, struct mrc_wc *wc, int max, int timeout_ms);
+/* cq NULL unbinds. Immediates already waiting for mrc_conn_wait_imm move to cq. */
 int mrc_conn_set_cq(mrc_conn *c, mrc_cq *cq, uint64_t ctx);
 
 /* One work request: the general form of mrc_post_write/send/recv. */
@@ -229,7 +240,9 @@ struct mrc_wr {
     mrc_cq *cq;                /* NULL: complete only on the op handle */
     uint64_t ctx;              /* returned in the mrc_wc */
 };
-/* out may be NULL when wr->cq is set: the completion is then seen only on the CQ. */
+/* out may be NULL when wr->cq is set: the completion is then seen only on the CQ
+ * and the op is freed once polled. mrc_post_write/send/recv are this with no CQ
+ * (their out must not be NULL). */
 int mrc_post(mrc_conn *c, const struct mrc_wr *wr, mrc_op **out);
 
 /* ---- telemetry ----------------------------------------------------------- */

@@ -1,0 +1,394 @@
+/*
+ * test_cq.c - completion queues: hundreds of ops over several connections
+ * complete exactly once each on their CQ with their ctx, immediates of bound
+ * connections arrive as MRC_WC_IMM, the eventfd is readable exactly while
+ * entries wait, wait times out, destroy refuses while in use, and an
+ * endpoint destroyed with ops pending on open CQs frees everything (run under
+ * ASan's leak checker by `make asan-test`).
+ */
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#include <sched.h>
+
+#include "check.h"
+#include "connect.h"
+#include "internal.h" /* only to see that a waiter is inside mrc_cq_wait */
+#include "mrc.h"
+
+enum { NCONN = 4, PER = 64, MSG = 3000 };
+
+static mrc_ep *ep_new(const char *addr)
+{
+    struct mrc_ep_config cfg;
+    mrc_ep_config_init(&cfg);
+    cfg.nplanes = 1;
+    snprintf(cfg.planes[0], sizeof(cfg.planes[0]), "%s", addr);
+    cfg.timeout_ms = 3000;
+    mrc_ep *ep;
+    CHECK_RC(mrc_ep_create(&cfg, &ep));
+    return ep;
+}
+
+static int fd_readable(int fd)
+{
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    return poll(&p, 1, 0) == 1 && (p.revents & POLLIN);
+}
+
+static mrc_ep *a, *b;
+static uint16_t port;
+static mrc_conn *ca[NCONN], *cb[NCONN];
+
+static void setup(void)
+{
+    a = ep_new("127.0.0.1");
+    b = ep_new("127.0.1.1");
+    CHECK_RC(mrc_ep_listen(b, NULL, 0, &port));
+    for (int i = 0; i < NCONN; i++)
+        CHECK_RC(connect_pair(a, b, "127.0.1.1", port, "a", &ca[i], &cb[i]));
+}
+
+/* Drains n entries from cq through mrc_cq_wait batches of at most 7. */
+static void drain(mrc_cq *cq, struct mrc_wc *out, int n)
+{
+    int got = 0;
+    while (got < n) {
+        int max = n - got < 7 ? n - got : 7;
+        int r = mrc_cq_wait(cq, out + got, max, 10000);
+        CHECK(r > 0 && r <= max);
+        got += r;
+    }
+}
+
+/* Per connection: PER SENDs a->b into RECVs posted on b's CQ, PER WRITEs
+ * with immediates a->b; b's connections are bound to cqb with ctx 1000+i. */
+static void many_ops(void)
+{
+    mrc_cq *cqa, *cqb;
+    CHECK_RC(mrc_cq_create(a, &cqa));
+    CHECK_RC(mrc_cq_create(b, &cqb));
+    CHECK(mrc_cq_fd(cqa) >= 0 && mrc_cq_fd(cqb) >= 0);
+    struct mrc_wc wc[8];
+    CHECK(mrc_cq_poll(cqb, wc, 8) == 0);
+    CHECK(!fd_readable(mrc_cq_fd(cqb)));
+
+    size_t sz = (size_t)NCONN * PER * MSG;
+    uint8_t *src = malloc(sz), *dst = calloc(sz, 1), *wdst = calloc(sz, 1);
+    for (size_t i = 0; i < sz; i++)
+        src[i] = (uint8_t)(i * 2654435761u >> 13);
+    mrc_mr *ms, *md, *mw;
+    CHECK_RC(mrc_mr_reg(a, src, sz, 0, &ms));
+    CHECK_RC(mrc_mr_reg(b, dst, sz, 0, &md));
+    CHECK_RC(mrc_mr_reg(b, wdst, sz, MRC_ACCESS_REMOTE_WRITE, &mw));
+    for (int i = 0; i < NCONN; i++)
+        CHECK_RC(mrc_conn_set_cq(cb[i], cqb, 1000 + (uint64_t)i));
+    CHECK(mrc_cq_destroy(cqb) == MRC_EBUSY); /* connections are bound */
+
+    for (int i = 0; i < NCONN; i++)
+        for (int k = 0; k < PER; k++) {
+            uint64_t off = ((uint64_t)i * PER + k) * MSG;
+            struct mrc_wr r = {.kind = MRC_OP_RECV, .mr = md, .loff = off, .len = MSG,
+                               .tag = (uint64_t)k, .cq = cqb, .ctx = off};
+            CHECK_RC(mrc_post(cb[i], &r, NULL));
+        }
+    for (int i = 0; i < NCONN; i++)
+        for (int k = 0; k < PER; k++) {
+            uint64_t off = ((uint64_t)i * PER + k) * MSG;
+            struct mrc_wr s = {.kind = MRC_OP_SEND, .mr = ms, .loff = off, .len = MSG,
+                               .tag = (uint64_t)k, .cq = cqa, .ctx = off};
+            CHECK_RC(mrc_post(ca[i], &s, NULL));
+            struct mrc_wr w = {.kind = MRC_OP_WRITE, .flags = MRC_WRITE_IMM, .mr = ms,
+                               .loff = off, .len = MSG, .rkey = mrc_mr_key(mw), .roff = off,
+                               .imm = (uint32_t)(off / MSG), .cq = cqa, .ctx = off + 1};
+            CHECK_RC(mrc_post(ca[i], &w, NULL));
+        }
+
+    enum { NA = NCONN * PER * 2, NB = NCONN * PER * 2 };
+    static struct mrc_wc ea[NA], eb[NB];
+    drain(cqa, ea, NA);
+    static uint8_t seen[NCONN * PER * MSG / MSG * 2];
+    memset(seen, 0, sizeof(seen));
+    for (int i = 0; i < NA; i++) {
+        CHECK(ea[i].status == 0);
+        CHECK(ea[i].bytes == MSG);
+        uint64_t idx = ea[i].ctx / MSG * 2 + (ea[i].ctx % MSG);
+        CHECK(ea[i].kind == (ea[i].ctx % MSG ? MRC_WC_WRITE : MRC_WC_SEND));
+        CHECK(idx < sizeof(seen) && !seen[idx]);
+        seen[idx] = 1;
+        int conn = (int)(ea[i].ctx / MSG / PER);
+        CHECK(ea[i].conn == ca[conn]);
+    }
+    drain(cqb, eb, NB);
+    memset(seen, 0, sizeof(seen));
+    uint32_t next_imm[NCONN];
+    for (int i = 0; i < NCONN; i++)
+        next_imm[i] = (uint32_t)(i * PER);
+    for (int i = 0; i < NB; i++) {
+        CHECK(eb[i].status == 0);
+        CHECK(eb[i].bytes == MSG);
+        if (eb[i].kind == MRC_WC_IMM) {
+            int conn = (int)(eb[i].ctx - 1000);
+            CHECK(conn >= 0 && conn < NCONN && eb[i].conn == cb[conn]);
+            CHECK(eb[i].imm == next_imm[conn]); /* in order per connection */
+            next_imm[conn]++;
+            /* every byte of the WRITE is in place once its immediate is seen */
+            uint64_t off = (uint64_t)eb[i].imm * MSG;
+            CHECK(memcmp(wdst + off, src + off, MSG) == 0);
+        } else {
+            CHECK(eb[i].kind == MRC_WC_RECV);
+            uint64_t off = eb[i].ctx;
+            CHECK(eb[i].tag == off / MSG % PER);
+            CHECK(!seen[off / MSG]);
+            seen[off / MSG] = 1;
+            CHECK(eb[i].conn == cb[off / MSG / PER]);
+        }
+    }
+    for (int i = 0; i < NCONN; i++)
+        CHECK(next_imm[i] == (uint32_t)((i + 1) * PER));
+    CHECK(memcmp(dst, src, sz) == 0);
+    CHECK(memcmp(wdst, src, sz) == 0);
+    CHECK(!fd_readable(mrc_cq_fd(cqa)) && !fd_readable(mrc_cq_fd(cqb)));
+    CHECK(mrc_cq_poll(cqa, wc, 8) == 0);
+
+    /* Unbound, immediates go back to mrc_conn_wait_imm. */
+    for (int i = 0; i < NCONN; i++)
+        CHECK_RC(mrc_conn_set_cq(cb[i], NULL, 0));
+    mrc_op *op;
+    CHECK_RC(mrc_post_write(ca[0], ms, 0, 100, mrc_mr_key(mw), 0, 77, MRC_WRITE_IMM, &op));
+    uint32_t imm;
+    uint64_t len;
+    CHECK_RC(mrc_conn_wait_imm(cb[0], 10000, &imm, &len));
+    CHECK(imm == 77 && len == 100);
+    CHECK_RC(mrc_op_wait(op, 10000));
+    mrc_op_release(op);
+    /* An immediate that arrived before binding moves onto the CQ. */
+    CHECK_RC(mrc_post_write(ca[1], ms, 0, 10, mrc_mr_key(mw), 0, 88, MRC_WRITE_IMM, &op));
+    CHECK_RC(mrc_op_wait(op, 10000));
+    mrc_op_release(op);
+    /* b queued the immediate before it acknowledged the last packet */
+    CHECK_RC(mrc_conn_set_cq(cb[1], cqb, 5));
+    CHECK(fd_readable(mrc_cq_fd(cqb)));
+    CHECK(mrc_cq_poll(cqb, wc, 8) == 1);
+    CHECK(wc[0].kind == MRC_WC_IMM && wc[0].imm == 88 && wc[0].ctx == 5 && wc[0].bytes == 10);
+    CHECK(!fd_readable(mrc_cq_fd(cqb)));
+    CHECK_RC(mrc_conn_set_cq(cb[1], NULL, 0));
+
+    /* An op with both a handle and a CQ completes on both. */
+    struct mrc_wr s = {.kind = MRC_OP_SEND, .mr = ms, .len = 5, .tag = 9, .cq = cqa, .ctx = 42};
+    struct mrc_wr r = {.kind = MRC_OP_RECV, .mr = md, .len = 5, .tag = 9};
+    mrc_op *rop;
+    CHECK_RC(mrc_post(cb[2], &r, &rop));
+    CHECK_RC(mrc_post(ca[2], &s, &op));
+    CHECK(mrc_cq_wait(cqa, wc, 8, 10000) == 1);
+    CHECK(wc[0].ctx == 42 && wc[0].kind == MRC_WC_SEND && wc[0].status == 0);
+    CHECK_RC(mrc_op_wait(op, 0));
+    CHECK_RC(mrc_op_wait(rop, 10000));
+    struct mrc_op_result res;
+    mrc_op_get_result(rop, &res);
+    CHECK(res.status == 0 && res.bytes == 5 && res.tag == 9);
+    mrc_op_release(op);
+    mrc_op_release(rop);
+
+    CHECK_RC(mrc_cq_destroy(cqa));
+    CHECK_RC(mrc_cq_destroy(cqb));
+    mrc_mr_dereg(ms);
+    mrc_mr_dereg(md);
+    mrc_mr_dereg(mw);
+    free(src);
+    free(dst);
+    free(wdst);
+}
+
+static double secs(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+/* wait times out; destroy is refused while an op is pending; a closed
+ * connection fails it into the CQ with MRC_ECLOSED. */
+static void timeout_and_busy(void)
+{
+    mrc_cq *cq;
+    CHECK_RC(mrc_cq_create(b, &cq));
+    struct mrc_wc wc[4];
+    double t0 = secs();
+    CHECK(mrc_cq_wait(cq, wc, 4, 50) == -ETIMEDOUT);
+    CHECK(secs() - t0 >= 0.045);
+    CHECK(mrc_cq_wait(cq, wc, 4, 0) == -ETIMEDOUT);
+
+    uint8_t buf[64];
+    mrc_mr *mr;
+    CHECK_RC(mrc_mr_reg(b, buf, sizeof(buf), 0, &mr));
+    struct mrc_wr r = {.kind = MRC_OP_RECV, .mr = mr, .len = 64, .tag = 12345, .cq = cq,
+                       .ctx = 7};
+    CHECK_RC(mrc_post(cb[3], &r, NULL));
+    CHECK(mrc_cq_destroy(cq) == MRC_EBUSY);
+    mrc_conn_destroy(cb[3]);
+    cb[3] = NULL;
+    CHECK(mrc_cq_wait(cq, wc, 4, 10000) == 1);
+    CHECK(wc[0].ctx == 7 && wc[0].status == MRC_ECLOSED && wc[0].kind == MRC_WC_RECV);
+    CHECK_RC(mrc_cq_destroy(cq));
+    mrc_mr_dereg(mr);
+}
+
+static void usage_errors(void)
+{
+    mrc_cq *cqa;
+    CHECK_RC(mrc_cq_create(a, &cqa));
+    uint8_t buf[64];
+    mrc_mr *mr;
+    CHECK_RC(mrc_mr_reg(b, buf, sizeof(buf), 0, &mr));
+    struct mrc_wr r = {.kind = MRC_OP_RECV, .mr = mr, .len = 64};
+    CHECK(mrc_post(cb[0], &r, NULL) == MRC_EUSAGE); /* neither handle nor CQ */
+    r.cq = cqa;                                      /* a CQ of another endpoint */
+    CHECK(mrc_post(cb[0], &r, NULL) == MRC_EUSAGE);
+    CHECK(mrc_conn_set_cq(cb[0], cqa, 0) == MRC_EUSAGE);
+    r.cq = NULL;
+    r.kind = 9;
+    mrc_op *op = NULL;
+    CHECK(mrc_post(cb[0], &r, &op) == MRC_EUSAGE);
+    r.kind = MRC_OP_SEND;
+    r.flags = MRC_WRITE_IMM; /* only a WRITE carries an immediate */
+    CHECK(mrc_post(cb[0], &r, &op) == MRC_EUSAGE);
+    r.flags = 0;
+    r.len = 65;
+    CHECK(mrc_post(cb[0], &r, &op) == MRC_EUSAGE);
+    CHECK(op == NULL);
+    CHECK(mrc_cq_poll(cqa, NULL, 1) == MRC_EUSAGE);
+    /* shut down: posts fail, waits return at once */
+    mrc_cq_shutdown(cqa);
+    struct mrc_wc wc[2];
+    CHECK(mrc_cq_wait(cqa, wc, 2, -1) == MRC_ECLOSED);
+    uint8_t abuf[8];
+    mrc_mr *amr;
+    CHECK_RC(mrc_mr_reg(a, abuf, sizeof(abuf), 0, &amr));
+    struct mrc_wr s = {.kind = MRC_OP_SEND, .mr = amr, .len = 8, .cq = cqa};
+    CHECK(mrc_post(ca[0], &s, NULL) == MRC_ECLOSED);
+    mrc_mr_dereg(amr);
+    CHECK(mrc_cq_wait(cqa, NULL, 1, 0) == MRC_EUSAGE);
+    CHECK_RC(mrc_cq_destroy(cqa));
+    mrc_mr_dereg(mr);
+}
+
+struct op_waiter {
+    mrc_op *op;
+    int rc;
+};
+
+static void *op_wait_thread(void *arg)
+{
+    struct op_waiter *w = arg;
+    w->rc = mrc_op_wait(w->op, 10000);
+    return NULL;
+}
+
+/* Op waiters sleep on buckets of condition variables, woken only for a batch
+ * holding one of their ops: each of many concurrent waiters still sees its
+ * own op complete, whatever the order. */
+static void op_waiters(void)
+{
+    enum { NT = 24 };
+    uint8_t *buf = calloc(NT, 64), *src = malloc(64);
+    memset(src, 0xab, 64);
+    mrc_mr *mb, *ms;
+    CHECK_RC(mrc_mr_reg(b, buf, NT * 64, 0, &mb));
+    CHECK_RC(mrc_mr_reg(a, src, 64, 0, &ms));
+    struct op_waiter w[NT];
+    pthread_t t[NT];
+    for (int i = 0; i < NT; i++) {
+        CHECK_RC(mrc_post_recv(cb[0], mb, (uint64_t)i * 64, 64, 500 + (uint64_t)i, &w[i].op));
+        CHECK(pthread_create(&t[i], NULL, op_wait_thread, &w[i]) == 0);
+    }
+    mrc_op *s[NT];
+    for (int i = NT - 1; i >= 0; i--)
+        CHECK_RC(mrc_post_send(ca[0], ms, 0, 64, 500 + (uint64_t)i, &s[i]));
+    for (int i = 0; i < NT; i++) {
+        pthread_join(t[i], NULL);
+        CHECK(w[i].rc == 0);
+        struct mrc_op_result r;
+        mrc_op_get_result(w[i].op, &r);
+        CHECK(r.status == 0 && r.tag == 500 + (uint64_t)i && r.bytes == 64);
+        CHECK(memcmp(buf + i * 64, src, 64) == 0);
+        CHECK_RC(mrc_op_wait(s[i], 10000));
+        mrc_op_release(s[i]);
+        mrc_op_release(w[i].op);
+    }
+    mrc_mr_dereg(mb);
+    mrc_mr_dereg(ms);
+    free(buf);
+    free(src);
+}
+
+struct waiter {
+    mrc_cq *cq;
+    int rc;
+};
+
+static void *wait_thread(void *arg)
+{
+    struct waiter *w = arg;
+    struct mrc_wc wc[4];
+    w->rc = mrc_cq_wait(w->cq, wc, 4, -1);
+    return NULL;
+}
+
+/* The endpoints go with ops pending on open CQs, entries not polled, a
+ * thread waiting on a CQ: the waiter returns, everything is freed. */
+static void destroy_with_pending(void)
+{
+    mrc_cq *cqa, *cqb, *cqw;
+    CHECK_RC(mrc_cq_create(a, &cqa));
+    CHECK_RC(mrc_cq_create(b, &cqb));
+    CHECK_RC(mrc_cq_create(b, &cqw));
+    uint8_t *buf = calloc(1 << 20, 1);
+    mrc_mr *ma, *mb;
+    CHECK_RC(mrc_mr_reg(a, buf, 1 << 20, 0, &ma));
+    CHECK_RC(mrc_mr_reg(b, buf, 1 << 20, 0, &mb));
+    CHECK_RC(mrc_conn_set_cq(cb[0], cqb, 1));
+    mrc_op *kept;
+    struct mrc_wr s = {.kind = MRC_OP_SEND, .mr = ma, .len = 1 << 20, .tag = 1, .cq = cqa};
+    CHECK_RC(mrc_post(ca[0], &s, &kept)); /* staged at b: no RECV with tag 1 */
+    for (int i = 0; i < 50; i++) {
+        struct mrc_wr r = {.kind = MRC_OP_RECV, .mr = mb, .len = 100, .tag = 2, .cq = cqb,
+                           .ctx = (uint64_t)i};
+        CHECK_RC(mrc_post(cb[i % 3], &r, NULL));
+        s.len = 1000;
+        s.tag = 3;
+        CHECK_RC(mrc_post(ca[i % 3], &s, NULL));
+    }
+    struct waiter w = {.cq = cqw};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, wait_thread, &w) == 0);
+    for (int in = 0; !in;) { /* the waiter is inside mrc_cq_wait */
+        pthread_mutex_lock(&b->lock);
+        in = cqw->waiters;
+        pthread_mutex_unlock(&b->lock);
+        if (!in)
+            sched_yield();
+    }
+    mrc_ep_destroy(a);
+    mrc_ep_destroy(b);
+    pthread_join(t, NULL);
+    CHECK(w.rc == MRC_ECLOSED);
+    mrc_op_release(kept);
+    free(buf);
+}
+
+int main(void)
+{
+    setup();
+    many_ops();
+    timeout_and_busy();
+    usage_errors();
+    op_waiters();
+    destroy_with_pending();
+    DONE("test_cq");
+    return 0;
+}
