@@ -681,8 +681,7 @@ cdef class Connection:
             raise errors.UsageError("write: remote must be a RemoteRegion (peer's descriptor())")
         cdef uint64_t n = self._span(local, offset, length, "write")
         remote_offset = _u64(remote_offset, "write", "remote_offset")
-        if imm is not None and _u64(imm, "write", "imm") >= 2**32:
-            raise errors.UsageError(f"write: imm must be an integer 0..2^32-1, got {imm!r}")
+        imm = None if imm is None else _u64(imm, "write", "imm")  # 32 bits: checked below
         if remote_offset > remote.size or n > remote.size - remote_offset:
             raise errors.UsageError(
                 f"write: remote bytes [{remote_offset}, {remote_offset + n}) are outside the "
