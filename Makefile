@@ -9,7 +9,7 @@ DEPS   := $(VENV)/.deps-stamp
 BUILT  := $(VENV)/.build-stamp
 PYDEPS := meson-python meson ninja Cython click rich numpy pytest ruff scapy pyroute2 matplotlib
 
-.PHONY: all build demo test test-py test-c asan fuzz-short lint sysdeps bench clean
+.PHONY: all build demo test test-py test-c asan fuzz-short lint sysdeps bench gpu-check clean
 
 all: build
 
@@ -72,6 +72,11 @@ lint: $(DEPS)
 
 bench: build sysdeps
 	$(PY) benchmarks/loopback_bw.py
+
+# On a machine with a CUDA device and torch (a lent GPU machine): builds mrc in-tree
+# with meson, runs the GPU tests and the GPU benchmark (tools/gpu_check.sh).
+gpu-check:
+	tools/gpu_check.sh
 
 clean:
 	rm -rf build builddir src_c/build

@@ -17,8 +17,12 @@ from mrc._datapath import (
     Operation,
     RemoteRegion,
 )
+
+# After the binding: the communicator builds on Endpoint and Connection.
+from mrc.collectives.communicator import Communicator, get_unique_id  # noqa: E402
 from mrc.errors import (
     BusyError,
+    CollectiveError,
     ConnectionClosedError,
     KeyRejectedError,
     MrcError,
@@ -35,6 +39,8 @@ __version__ = "0.1.0"
 __all__ = [
     "TAG_ANY",
     "BusyError",
+    "CollectiveError",
+    "Communicator",
     "CompletionQueue",
     "Connection",
     "ConnectionClosedError",
@@ -50,4 +56,5 @@ __all__ = [
     "TruncatedError",
     "UnreachableError",
     "UsageError",
+    "get_unique_id",
 ]

@@ -211,3 +211,40 @@ class CompletionQueue:
     def closed(self) -> bool: ...
     def __enter__(self) -> CompletionQueue: ...
     def __exit__(self, *exc: object) -> None: ...
+
+# ---- collectives: the schedule executor (src_c/coll.c) ----
+COLL_STEP_SIZE: int
+COLL_REF_SIZE: int
+ABORTED: int
+MISMATCH: int
+
+def reduce_into(acc: Any, src: Any, dtype: int, op: int) -> None: ...
+def reduce_finish(acc: Any, dtype: int, op: int, n: int) -> None: ...
+
+class CollExecutor:
+    endpoint: Endpoint
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        rank: int,
+        nranks: int,
+        peers: Sequence[Connection | None],
+        *,
+        chunk_bytes: int = ...,
+        slots: int = ...,
+        window: int = ...,
+    ) -> None: ...
+    def run(
+        self,
+        packed: Any,
+        send: Any,
+        recv: Any,
+        dtype: int,
+        op: int,
+        sig: int,
+        timeout: float | None,
+    ) -> tuple[int, int]: ...
+    def abort(self) -> None: ...
+    @property
+    def scratch_bytes(self) -> int: ...
+    def close(self) -> None: ...

@@ -601,10 +601,12 @@ cdef class Connection:
     cdef object __weakref__
     cdef readonly Endpoint endpoint
     cdef object _cq  # the CompletionQueue bound with set_cq: kept alive while bound
+    cdef object _users  # WeakSet of CollExecutor holding this connection's pointer
 
     def __cinit__(self):
         self.conn = NULL
         self._cq = None
+        self._users = None
 
     @staticmethod
     cdef Connection _wrap(Endpoint ep, c.mrc_conn *cp):
@@ -802,7 +804,11 @@ cdef class Connection:
         return None if rc == 0 else error_for(rc, "connection failed")
 
     def close(self) -> None:
-        """Close; pending operations fail with ConnectionClosedError."""
+        """Close; pending operations fail with ConnectionClosedError. A collective
+        executor using the connection is stopped first (its run ends, it is closed)."""
+        users, self._users = self._users, None
+        for u in list(users or ()):
+            (<CollExecutor>u)._conn_closing()
         if self.conn != NULL:
             with nogil:
                 c.mrc_conn_destroy(self.conn)
@@ -1088,3 +1094,191 @@ cdef class CompletionQueue:
 
     def __repr__(self) -> str:
         return f"<mrc.CompletionQueue{' closed' if self.cq == NULL else ''}>"
+
+
+# ---- collectives: the schedule executor (src_c/coll.c) ----------------------
+
+COLL_STEP_SIZE = sizeof(c.mrc_coll_step)
+COLL_REF_SIZE = sizeof(c.mrc_coll_ref)
+ABORTED = c.MRC_EABORT
+MISMATCH = c.MRC_EMISMATCH
+
+
+def reduce_into(acc, src, int dtype, int op) -> None:
+    """acc op= src with the C kernels (tests and tools; dtype/op: enum codes)."""
+    cdef const unsigned char[::1] s = memoryview(src).cast("B")
+    cdef unsigned char[::1] a = memoryview(acc).cast("B")
+    cdef size_t es = c.mrc_dtype_size(dtype)
+    if es == 0 or a.shape[0] != s.shape[0] or a.shape[0] % es:
+        raise errors.UsageError(f"reduce_into: {a.shape[0]} and {s.shape[0]} bytes of dtype {dtype}")
+    cdef size_t n = a.shape[0] // es
+    cdef int rc
+    with nogil:
+        rc = c.mrc_reduce(&a[0] if n else NULL, &s[0] if n else NULL, n, dtype, op)
+    check(rc, "reduce")
+
+
+def reduce_finish(acc, int dtype, int op, int n) -> None:
+    cdef unsigned char[::1] a = memoryview(acc).cast("B")
+    cdef size_t es = c.mrc_dtype_size(dtype)
+    if es == 0 or a.shape[0] % es:
+        raise errors.UsageError(f"reduce_finish: {a.shape[0]} bytes of dtype {dtype}")
+    cdef size_t count = a.shape[0] // es
+    check(c.mrc_reduce_finish(&a[0] if count else NULL, count, dtype, op, n), "reduce_finish")
+
+
+@cython.no_gc_clear  # __dealloc__ needs its endpoint alive
+cdef class CollExecutor:
+    """The C executor of collective schedules for one rank (src_c/coll.c): run()
+    takes a packed schedule (mrc.collectives.schedule.Packed) and the call's
+    buffers and runs it to completion without the GIL. After a failure it
+    closes its peers' connections (the communicator is over: operations may be
+    pending on them) and waits for every operation to end, so no buffer is
+    touched once run() returns."""
+
+    cdef c.mrc_coll *coll
+    cdef object __weakref__
+    cdef readonly Endpoint endpoint
+    cdef list _peers
+    cdef object _lock  # held by run(); close() takes it, so it waits for a run
+    cdef bint _closed
+
+    def __cinit__(self):
+        self.coll = NULL
+        self._closed = False
+
+    def __init__(self, Endpoint endpoint, int rank, int nranks, peers, *,
+                 uint64_t chunk_bytes=0, int slots=0, int window=0):
+        import threading
+        cdef c.mrc_coll_config cfg
+        peers = list(peers)
+        if len(peers) != nranks:
+            raise errors.UsageError(f"{nranks} ranks need {nranks} peers entries, got {len(peers)}")
+        if chunk_bytes % 8:
+            raise errors.UsageError(f"chunk_bytes must be a multiple of 8, got {chunk_bytes}")
+        cdef c.mrc_conn **ptrs = <c.mrc_conn **>malloc(max(nranks, 1) * sizeof(c.mrc_conn *))
+        if ptrs == NULL:
+            raise MemoryError()
+        try:
+            for i, p in enumerate(peers):
+                if i == rank:
+                    if p is not None:
+                        raise errors.UsageError(f"peers[{rank}] (this rank) must be None")
+                    ptrs[i] = NULL
+                    continue
+                if not isinstance(p, Connection):
+                    raise errors.UsageError(f"peers[{i}] must be a Connection, got {p!r}")
+                if (<Connection>p).endpoint is not endpoint:
+                    raise errors.UsageError(f"peers[{i}] belongs to another endpoint")
+                ptrs[i] = (<Connection>p)._ptr()
+            cfg.rank = rank
+            cfg.nranks = nranks
+            cfg.peers = ptrs
+            cfg.chunk_bytes = chunk_bytes
+            cfg.slots = slots
+            cfg.window = window
+            check(c.mrc_coll_create(endpoint._ptr(), &cfg, &self.coll),
+                  lambda: f"Failed to create the collective executor of rank {rank}/{nranks}")
+        finally:
+            free(ptrs)
+        self.endpoint = endpoint
+        self._peers = peers
+        self._lock = threading.RLock()
+        for p in peers:
+            if p is not None:
+                if (<Connection>p)._users is None:
+                    (<Connection>p)._users = weakref.WeakSet()
+                (<Connection>p)._users.add(self)
+        endpoint._children.add(self)
+
+    def run(self, packed, send, recv, int dtype, int op, uint32_t sig, timeout) -> tuple:
+        """Runs one schedule: (0, -1) or (error code, the peer involved or -1).
+        send/recv: buffer-protocol objects or None (recv must be writable; they
+        may be the same object)."""
+        cdef const unsigned char[::1] steps = packed.steps.view("u1").reshape(-1)
+        cdef const unsigned char[::1] refs = packed.refs.view("u1").reshape(-1)
+        cdef const unsigned char[::1] deps = packed.deps.view("u1").reshape(-1)
+        cdef c.mrc_coll_plan plan
+        cdef c.mrc_coll_args a
+        cdef Py_buffer sv, rv
+        cdef bint has_s = False, has_r = False
+        cdef int rc = 0, failed = -1
+        memset(&a, 0, sizeof(a))
+        plan.nsteps = <uint32_t>(steps.shape[0] // sizeof(c.mrc_coll_step))
+        plan.steps = <const c.mrc_coll_step *>&steps[0] if plan.nsteps else NULL
+        plan.nrefs = <uint32_t>(refs.shape[0] // sizeof(c.mrc_coll_ref))
+        plan.refs = <const c.mrc_coll_ref *>&refs[0] if plan.nrefs else NULL
+        plan.ndeps = <uint32_t>(deps.shape[0] // 4)
+        plan.deps = <const uint32_t *>&deps[0] if plan.ndeps else NULL
+        plan.nrings = packed.nrings
+        a.dtype = dtype
+        a.op = op
+        a.sig = sig
+        a.timeout_ms = _ms(timeout)
+        with self._lock:
+            if self._closed or self.coll == NULL:
+                return (c.MRC_EABORT, -1)
+            try:
+                if send is not None:
+                    PyObject_GetBuffer(send, &sv, PyBUF_SIMPLE)
+                    has_s = True
+                    a.send = sv.buf
+                    a.send_len = sv.len
+                if recv is not None:
+                    PyObject_GetBuffer(recv, &rv, PyBUF_WRITABLE)
+                    has_r = True
+                    a.recv = rv.buf
+                    a.recv_len = rv.len
+                with nogil:
+                    rc = c.mrc_coll_run(self.coll, &plan, &a, &failed)
+                if rc and rc != c.MRC_EUSAGE:
+                    self._fail()
+            finally:
+                if has_s:
+                    PyBuffer_Release(&sv)
+                if has_r:
+                    PyBuffer_Release(&rv)
+        return (rc, failed)
+
+    cdef _fail(self):
+        """After a failed run: close the peers' connections so that what is still
+        pending fails, then wait until nothing is (buffers are held until then)."""
+        cdef int rc
+        for p in self._peers:
+            if p is not None:
+                p.close()
+        with nogil:
+            rc = c.mrc_coll_drain(self.coll, 10000)
+        if rc:
+            # Cannot happen with every connection closed; never leave a region
+            # the datapath may still write to: keep the executor (and so its
+            # regions) alive with the endpoint.
+            self.endpoint._orphans.append(self)
+
+    def abort(self) -> None:
+        """Any thread: the running and every later run() returns ABORTED."""
+        if self.coll != NULL:
+            c.mrc_coll_abort(self.coll)
+
+    def _conn_closing(self) -> None:
+        """A peer connection is about to be freed: end any run, then retire."""
+        self.abort()
+        with self._lock:
+            self._closed = True
+
+    @property
+    def scratch_bytes(self) -> int:
+        return 0 if self.coll == NULL else c.mrc_coll_scratch_bytes(self.coll)
+
+    def close(self) -> None:
+        self.abort()
+        with self._lock:
+            self._closed = True
+            if self.coll != NULL:
+                c.mrc_coll_destroy(self.coll)
+                self.coll = NULL
+
+    def __dealloc__(self):
+        if self.coll != NULL:
+            c.mrc_coll_destroy(self.coll)
+            self.coll = NULL

@@ -24,6 +24,8 @@ cdef extern from "mrc.h" nogil:
         MRC_ENOBUFS
         MRC_ENOTMRC
         MRC_EBUSY
+        MRC_EABORT
+        MRC_EMISMATCH
         MRC_OP_WRITE
         MRC_OP_SEND
         MRC_OP_RECV
@@ -164,3 +166,46 @@ cdef extern from "mrc_testing.h" nogil:
                          const char *src_addr, uint16_t src_port)
     uint32_t mrc_conn_id(const mrc_conn *c)
     uint32_t mrc_conn_peer_id(const mrc_conn *c)
+
+
+# Collectives (reduce.c, coll.c)
+cdef extern from "mrc.h" nogil:
+    size_t mrc_dtype_size(int dtype)
+    int mrc_reduce(void *acc, const void *src, size_t count, int dtype, int op)
+    int mrc_reduce_finish(void *acc, size_t count, int dtype, int op, int n)
+
+    struct mrc_coll_step:
+        uint32_t kind
+    struct mrc_coll_ref:
+        uint32_t buf
+    struct mrc_coll_plan:
+        const mrc_coll_step *steps
+        uint32_t nsteps
+        uint32_t nrings
+        const mrc_coll_ref *refs
+        uint32_t nrefs
+        const uint32_t *deps
+        uint32_t ndeps
+    struct mrc_coll_args:
+        void *send
+        uint64_t send_len
+        void *recv
+        uint64_t recv_len
+        int dtype, op
+        uint32_t sig
+        int timeout_ms
+    struct mrc_coll_config:
+        int rank, nranks
+        mrc_conn **peers
+        uint64_t chunk_bytes
+        int slots
+        int window
+    ctypedef struct mrc_coll:
+        pass
+    int mrc_coll_create(mrc_ep *ep, const mrc_coll_config *cfg, mrc_coll **out)
+    int mrc_coll_run(mrc_coll *c, const mrc_coll_plan *plan, const mrc_coll_args *a,
+                     int *failed_peer)
+    void mrc_coll_abort(mrc_coll *c)
+    int mrc_coll_drain(mrc_coll *c, int timeout_ms)
+    uint64_t mrc_coll_scratch_bytes(const mrc_coll *c)
+    void mrc_coll_destroy(mrc_coll *c)

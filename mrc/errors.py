@@ -39,6 +39,20 @@ class TruncatedError(MrcError):
     """A SEND carried more bytes than the matching RECV buffer holds."""
 
 
+class CollectiveError(MrcError):
+    """A collective (or the communicator) failed: a rank died or became unreachable, the
+    communicator was aborted, or the ranks disagree about the call.
+
+    rank: the rank that failed or disagreed (None when no single rank is to blame);
+    code: the datapath code behind it (negative), or 0.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, code: int = 0) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.code = code
+
+
 class BusyError(MrcError):
     """The object is still in use (operations pending on it, connections bound to it,
     a thread waiting on it): finish or close those first."""

@@ -33,6 +33,8 @@ const char *mrc_strerror(int rc)
     case MRC_EUSAGE: return "invalid argument";
     case MRC_EREMOTE: return "connection failed after a remote access error";
     case MRC_ENOBUFS: return "table full";
+    case MRC_EABORT: return "collective aborted";
+    case MRC_EMISMATCH: return "ranks called the collective with different arguments";
     case MRC_ENOTMRC: return "not an mrc endpoint (it answered in another protocol)";
     case MRC_EBUSY: return "still in use by pending operations";
     default: return rc < 0 && rc > -4096 ? strerror(-rc) : "unknown error";

@@ -17,6 +17,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy is imported a
 
 import click  # noqa: E402
 
+from mrc.perf import coll as coll_commands  # noqa: E402
 from mrc.perf import model_cli  # noqa: E402
 from mrc.perf.options import (  # noqa: E402
     DEFAULT_BW_ITERS,
@@ -328,6 +329,8 @@ def _make(test: str) -> None:
 for _test in TESTS:
     _make(_test)
 
+# The collective tests (nccl-tests' all_reduce_perf ...), run on every rank under mrc-run.
+coll_commands.register(main)
 # `mrc-perf model`: the AllReduce cost model (mrc/perf/model_cli.py); runs nothing.
 main.add_command(model_cli.model)
 

@@ -245,6 +245,118 @@ struct mrc_wr {
  * (their out must not be NULL). */
 int mrc_post(mrc_conn *c, const struct mrc_wr *wr, mrc_op **out);
 
+/* ---- collectives: reductions (reduce.c) ----------------------------------
+ * acc[i] = acc[i] op src[i]. float16/bfloat16 (IEEE binary16 / the top half
+ * of a float32, as uint16 bit patterns) are widened to float32, combined and
+ * rounded to nearest-even at every call, so a fixed order of calls gives the
+ * same bits everywhere. Integers wrap. AVG combines as SUM; after the last
+ * source, mrc_reduce_finish() divides by n once (integers truncate toward 0). */
+enum mrc_dtype {
+    MRC_INT8 = 0, MRC_UINT8, MRC_INT32, MRC_INT64,
+    MRC_FLOAT16, MRC_BFLOAT16, MRC_FLOAT32, MRC_FLOAT64,
+    MRC_NDTYPES
+};
+enum mrc_redop { MRC_SUM = 0, MRC_PROD, MRC_MIN, MRC_MAX, MRC_AVG, MRC_NREDOPS };
+
+size_t mrc_dtype_size(int dtype);     /* 0: unknown dtype */
+const char *mrc_dtype_str(int dtype);
+const char *mrc_redop_str(int op);
+/* acc and src must not overlap. */
+int mrc_reduce(void *acc, const void *src, size_t count, int dtype, int op);
+int mrc_reduce_finish(void *acc, size_t count, int dtype, int op, int n);
+
+/* ---- collectives: the schedule executor (coll.c) --------------------------
+ * A schedule is one rank's list of steps; the planner (mrc/collectives/
+ * schedule.py) builds it, this executor runs any schedule. Each step covers a
+ * whole byte range; the executor cuts it into chunks of chunk_bytes and
+ * pipelines them: chunk i of a step waits for chunk i of each step it depends
+ * on (or for the whole step, when the two have different chunk counts).
+ *
+ * Buffers: MRC_BUF_SEND and MRC_BUF_RECV are the caller's (they may be the
+ * same memory: in place); MRC_BUF_SCRATCH refs name a ring (ref.off = ring
+ * index) of `slots` chunk-sized slots owned by the executor: chunk i of a
+ * step lives in slot i % slots, and the ring's producer waits for chunk
+ * i - slots to be consumed by every step reading it. So extra memory is
+ * nrings * slots * chunk_bytes, whatever the message size.
+ *
+ * Messages: the SEND/RECV steps between two ranks are matched in one order
+ * per direction: chunk i of a step is message i + lag, ties by pair_seq
+ * (0, 1, ... numbered in plan order), so a later phase interleaves with an
+ * earlier one; chunk_bytes must be the same on every rank; each message's tag
+ * carries the call's signature, the pair's sequence number of collectives,
+ * pair_seq and the chunk, and every received tag and length is checked:
+ * ranks called with different arguments fail with MRC_EMISMATCH. */
+enum mrc_step_kind {
+    MRC_STEP_SEND = 1,   /* src ref -> peer */
+    MRC_STEP_RECV = 2,   /* peer -> dst ref */
+    MRC_STEP_REDUCE = 3, /* dst = srcs[0] op srcs[1] op ... (this order, always) */
+    MRC_STEP_COPY = 4,   /* dst = srcs[0] */
+};
+enum mrc_buf { MRC_BUF_SEND = 0, MRC_BUF_RECV = 1, MRC_BUF_SCRATCH = 2 };
+
+struct mrc_coll_ref {
+    uint32_t buf;        /* enum mrc_buf */
+    uint32_t pad;
+    uint64_t off;        /* byte offset; MRC_BUF_SCRATCH: ring index */
+};
+
+struct mrc_coll_step {
+    uint32_t kind;       /* enum mrc_step_kind */
+    int32_t peer;        /* SEND/RECV: rank */
+    uint32_t pair_seq;   /* SEND/RECV: order among this pair's steps, per direction */
+    uint32_t flags;      /* MRC_STEP_FINISH: REDUCE ends with mrc_reduce_finish */
+    uint64_t len;        /* bytes (a multiple of the element size) */
+    uint32_t src, nsrc;  /* refs[src .. src+nsrc): SEND 1, COPY 1, REDUCE >= 1 */
+    uint32_t dst;        /* refs[dst]: RECV, REDUCE, COPY */
+    uint32_t dep, ndeps; /* deps[dep .. dep+ndeps): indices of earlier steps */
+    uint32_t lag;        /* SEND/RECV: chunk i is the pair's message i + lag (see below) */
+};
+#define MRC_STEP_FINISH 0x1
+
+struct mrc_coll_plan {
+    const struct mrc_coll_step *steps;
+    uint32_t nsteps;
+    uint32_t nrings;
+    const struct mrc_coll_ref *refs;
+    uint32_t nrefs;
+    const uint32_t *deps;
+    uint32_t ndeps;
+};
+
+struct mrc_coll_args {
+    void *send;          /* may equal recv; NULL when empty */
+    uint64_t send_len;
+    void *recv;
+    uint64_t recv_len;
+    int dtype, op;       /* enum mrc_dtype, mrc_redop (op: REDUCE steps only) */
+    uint32_t sig;        /* signature of the call: equal on every rank (19 bits used) */
+    int timeout_ms;      /* fail with MRC_ETIMEOUT after this long without progress */
+};
+
+struct mrc_coll_config {
+    int rank, nranks;
+    mrc_conn *const *peers; /* nranks entries, NULL at rank */
+    uint64_t chunk_bytes;   /* 0: 256 KiB; a multiple of 8 */
+    int slots;              /* scratch slots per ring; 0: 4 */
+    int window;             /* chunks in flight per peer and direction; 0: slots */
+};
+
+typedef struct mrc_coll mrc_coll;
+int mrc_coll_create(mrc_ep *ep, const struct mrc_coll_config *cfg, mrc_coll **out);
+/* Runs the plan to completion on the calling thread. 0, or a negative code;
+ * *failed_peer names the rank involved (-1: none). After a failure,
+ * operations may still be pending: close the connections (their operations
+ * then fail) and call mrc_coll_drain() before touching the buffers. */
+int mrc_coll_run(mrc_coll *c, const struct mrc_coll_plan *plan, const struct mrc_coll_args *a,
+                 int *failed_peer);
+/* Any thread: the running (and every later) mrc_coll_run returns MRC_EABORT. */
+void mrc_coll_abort(mrc_coll *c);
+/* Waits until no operation of a failed run is pending (0), or -ETIMEDOUT. */
+int mrc_coll_drain(mrc_coll *c, int timeout_ms);
+/* Scratch bytes currently held (for memory accounting). */
+uint64_t mrc_coll_scratch_bytes(const mrc_coll *c);
+void mrc_coll_destroy(mrc_coll *c);
+
 /* ---- telemetry ----------------------------------------------------------- */
 
 enum mrc_path_state { MRC_PATH_GOOD = 0, MRC_PATH_SUSPECT, MRC_PATH_FAILED, MRC_PATH_PROBING };

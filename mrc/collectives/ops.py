@@ -1,0 +1,621 @@
+"""The collective operations: the `Collectives` mixin the Communicator inherits.
+
+Every method validates its arguments, takes the schedule for the call from the
+planner (mrc.collectives.schedule, cached per shape), and runs it in the C
+executor (src_c/coll.c) in one call without the GIL. It needs from the class
+it is mixed into: rank, size, endpoint (mrc.Endpoint), peers (list by rank of
+mrc.Connection, None at rank) and timeout (seconds); the communicator calls
+_collectives_init() once the mesh is up and _collectives_close() on close.
+
+Errors are mrc.errors.CollectiveError with .rank (the peer that failed or
+disagreed) and .code. After one, the communicator is over: its connections
+are closed (operations may still have been pending on them) and every later
+call raises the same error.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from mrc import _datapath
+from mrc import gpu as _gpu
+from mrc._datapath import CollExecutor, strerror
+from mrc.collectives import schedule as S
+from mrc.errors import CollectiveError, TimeoutError, UsageError
+
+DTYPES = {
+    "int8": 0,
+    "uint8": 1,
+    "int32": 2,
+    "int64": 3,
+    "float16": 4,
+    "bfloat16": 5,
+    "float32": 6,
+    "float64": 7,
+}
+OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4}
+_MISMATCH = _datapath.MISMATCH
+_ABORTED = _datapath.ABORTED
+_ETIMEOUT = -5003
+_PLAN_CACHE = 256
+
+assert S.STEP_DTYPE.itemsize == _datapath.COLL_STEP_SIZE, "schedule.STEP_DTYPE != C struct"
+assert S.REF_DTYPE.itemsize == _datapath.COLL_REF_SIZE, "schedule.REF_DTYPE != C struct"
+
+
+class Work:
+    """An operation started with async_op=True. Runs in issue order on the
+    communicator's worker thread."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._event = threading.Event()
+        self._exc: BaseException | None = None
+        self._result: Any = None
+
+    def _finish(self, result: Any, exc: BaseException | None) -> None:
+        self._result, self._exc = result, exc
+        self._event.set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """The operation's result (its recv buffer); raises its error. timeout:
+        seconds (None: until done); raises mrc.TimeoutError if still running."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"{self.what} still running after {timeout} s")
+        if self._exc is not None:
+            raise self._exc
+        return self._result
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def exception(self) -> BaseException | None:
+        """The error once done (None if it succeeded or is still running)."""
+        return self._exc if self._event.is_set() else None
+
+    def result(self) -> Any:
+        return self.wait()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._exc else "done" if self.done() else "pending"
+        return f"<mrc.collectives.Work {self.what} {state}>"
+
+
+class _Buf:
+    """A caller's buffer seen as bytes: the object to hand to C, dtype, count."""
+
+    __slots__ = ("obj", "dtype", "count", "esize")
+
+    def __init__(self, obj: Any, dtype: str, count: int, esize: int) -> None:
+        self.obj, self.dtype, self.count, self.esize = obj, dtype, count, esize
+
+
+def _torch_array(t: Any) -> tuple[np.ndarray, str | None]:
+    import torch  # only when given a tensor
+
+    if t.device.type != "cpu":
+        raise UsageError(f"collectives take CPU tensors, got one on {t.device}")
+    if not t.is_contiguous():
+        raise UsageError("collectives take contiguous tensors (call .contiguous())")
+    if t.dtype == torch.bfloat16:
+        return t.detach().view(torch.int16).numpy(), "bfloat16"
+    return t.detach().numpy(), None
+
+
+def as_buffer(obj: Any, dtype: str | None, what: str, writable: bool) -> _Buf:
+    """numpy arrays, torch CPU tensors, any buffer-protocol object (its format
+    gives the dtype). bfloat16: dtype="bfloat16" with 2-byte storage (uint16)."""
+    forced: str | None = None
+    if type(obj).__module__.startswith("torch"):
+        arr, forced = _torch_array(obj)
+    elif isinstance(obj, np.ndarray):
+        arr = obj
+    else:
+        try:
+            arr = np.asarray(memoryview(obj))
+        except TypeError:
+            raise UsageError(
+                f"{what}: {type(obj).__name__} is not a buffer (numpy array, tensor, bytearray...)"
+            ) from None
+    if not arr.flags.c_contiguous:
+        raise UsageError(f"{what}: the array must be C-contiguous (np.ascontiguousarray)")
+    if writable and not arr.flags.writeable:
+        raise UsageError(f"{what}: the buffer is read-only, and this call writes into it")
+    name = dtype or forced or arr.dtype.name
+    if name == "bfloat16":
+        if arr.dtype.itemsize != 2:
+            raise UsageError(f"{what}: bfloat16 needs 2-byte storage (uint16), got {arr.dtype}")
+    elif name not in DTYPES:
+        raise UsageError(f"{what}: dtype {name} is not one of {', '.join(DTYPES)}")
+    elif dtype is not None and arr.dtype.name != dtype:
+        raise UsageError(f"{what}: dtype={dtype} given for a {arr.dtype} array")
+    esize = 2 if name == "bfloat16" else np.dtype(name).itemsize
+    return _Buf(arr if arr.size else None, name, arr.size, esize)
+
+
+def _op(op: str) -> int:
+    code = OPS.get(op)
+    if code is None:
+        raise UsageError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    return code
+
+
+def signature(*parts: object) -> int:
+    """19 bits naming the call (kind, count, dtype, op, root...): every rank
+    computes the same value from the same arguments."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFF
+
+
+class Collectives:
+    """The collective methods of mrc.Communicator (see CONTRACT.md)."""
+
+    rank: int
+    size: int
+    endpoint: Any
+    peers: list[Any]
+    timeout: float
+    chunk_bytes: int = 0  # 0: the executor's default (256 KiB)
+    slots: int = 4  # scratch slots per ring: the pipeline depth (and the planner's lag)
+
+    # -- life (called by the communicator) --
+    def _collectives_init(self) -> None:
+        self._coll_exec = CollExecutor(
+            self.endpoint,
+            self.rank,
+            self.size,
+            self.peers,
+            chunk_bytes=self.chunk_bytes,
+            slots=self.slots,
+        )
+        self._coll_failure: CollectiveError | None = None
+        self._coll_plans: OrderedDict[tuple, S.Packed] = OrderedDict()
+        self._coll_queue: queue.Queue[tuple[Callable[[], Any], Work] | None] = queue.Queue()
+        self._coll_qlock = threading.Lock()
+        self._coll_queued = 0
+        self._coll_worker: threading.Thread | None = None
+        self._coll_closed = False
+        self._coll_stats: dict[str, Any] = {"ops": 0, "by_kind": {}, "last": None}
+
+    def _collectives_abort(self, err: CollectiveError) -> None:
+        """The communicator failed (or was aborted): end the running collective."""
+        if self._coll_failure is None:
+            self._coll_failure = err
+        self._coll_exec.abort()
+
+    def _collectives_close(self) -> None:
+        self._coll_closed = True
+        self._coll_exec.abort()
+        worker = self._coll_worker
+        if worker is not None:
+            self._coll_queue.put(None)
+            worker.join(timeout=max(self.timeout, 1.0))
+        self._coll_exec.close()
+
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        """From any thread: the running and every later collective raise CollectiveError."""
+        self._collectives_abort(
+            CollectiveError(f"rank {self.rank} aborted its communicator: {reason}", self.rank)
+        )
+
+    # -- running --
+    def _plan(self, key: tuple, build: Callable[[], S.Schedule]) -> S.Packed:
+        plans = self._coll_plans
+        packed = plans.get(key)
+        if packed is None:
+            packed = build().pack()
+            plans[key] = packed
+            if len(plans) > _PLAN_CACHE:
+                plans.popitem(last=False)
+        else:
+            plans.move_to_end(key)
+        return packed
+
+    def _check_usable(self) -> None:
+        check = getattr(self, "check_failure", None)
+        if check is not None:
+            check()
+        if self._coll_failure is not None:
+            raise self._coll_failure
+        if self._coll_closed:
+            raise CollectiveError(f"rank {self.rank}: the communicator is closed", self.rank)
+
+    def _run(
+        self,
+        what: str,
+        packed: S.Packed,
+        send: _Buf | None,
+        recv: _Buf | None,
+        dtype: str,
+        op: int,
+        sig: int,
+    ) -> None:
+        self._check_usable()
+        t0 = time.perf_counter()
+        rc, peer = self._coll_exec.run(
+            packed,
+            None if send is None else send.obj,
+            None if recv is None else recv.obj,
+            DTYPES[dtype],
+            op,
+            sig,
+            self.timeout,
+        )
+        if rc == 0:
+            st = self._coll_stats
+            st["ops"] += 1
+            kinds = st["by_kind"]
+            kinds[packed.name] = kinds.get(packed.name, 0) + 1
+            st["last"] = {
+                "call": what,
+                "schedule": packed.name,
+                "seconds": time.perf_counter() - t0,
+                **packed.info,
+            }
+            return
+        raise self._failed(what, rc, peer)
+
+    def collective_stats(self) -> dict[str, Any]:
+        """Collectives run (total and per schedule), the last one (its call,
+        schedule, seconds, and for all_reduce the share bounds in elements),
+        the executor's scratch bytes, and the failure that ended the
+        communicator, if any."""
+        st = dict(self._coll_stats)
+        st["by_kind"] = dict(st["by_kind"])
+        st["scratch_bytes"] = self._coll_exec.scratch_bytes
+        st["failure"] = None if self._coll_failure is None else str(self._coll_failure)
+        return st
+
+    def _failed(self, what: str, rc: int, peer: int) -> CollectiveError:
+        r = self.rank
+        if rc == _ABORTED and self._coll_failure is not None:
+            return self._coll_failure
+        if rc == _MISMATCH:
+            err = CollectiveError(
+                f"rank {r}: {what} does not match the call of rank {peer} (the ranks "
+                "disagree on the collective, its size, dtype, op or root, or on the "
+                "order of collectives)",
+                rank=peer,
+                code=rc,
+            )
+        elif rc == _ABORTED:
+            err = CollectiveError(f"rank {r}: {what} aborted", rank=None, code=rc)
+        elif rc == _ETIMEOUT and peer >= 0:
+            err = CollectiveError(
+                f"rank {r}: {what}: no progress for {self.timeout:g} s waiting for rank {peer}",
+                rank=peer,
+                code=rc,
+            )
+        else:
+            err = CollectiveError(
+                f"rank {r}: {what}: connection to rank {peer} failed: {strerror(rc)}",
+                rank=peer if peer >= 0 else None,
+                code=rc,
+            )
+            verdict = getattr(self, "peer_error", None)
+            if verdict is not None and peer >= 0:
+                err = verdict(peer, err)
+        if self._coll_failure is None:
+            self._coll_failure = err
+        record = getattr(self, "_set_failure", None)
+        if record is not None:
+            record(err)
+        return err
+
+    def _submit(self, what: str, fn: Callable[[], Any], async_op: bool) -> Any:
+        """Runs fn now, or on the worker thread behind earlier async operations."""
+        with self._coll_qlock:
+            # On the worker thread itself (a staged device collective runs its
+            # host collectives from there), a blocking call runs now: queued
+            # behind the job that makes it, it would wait for itself.
+            on_worker = threading.current_thread() is self._coll_worker
+            if not async_op and (self._coll_queued == 0 or on_worker):
+                inline = True
+            else:
+                inline = False
+                work = Work(what)
+                self._coll_queued += 1
+                self._coll_queue.put((fn, work))
+                if self._coll_worker is None:
+                    self._coll_worker = threading.Thread(
+                        target=self._coll_work, name=f"mrc-coll-{self.rank}", daemon=True
+                    )
+                    self._coll_worker.start()
+        if inline:
+            return fn()
+        return work if async_op else work.wait()
+
+    def _coll_work(self) -> None:
+        while True:
+            item = self._coll_queue.get()
+            if item is None:
+                return
+            fn, work = item
+            try:
+                result, exc = fn(), None
+            except BaseException as e:  # handed to the Work's waiter
+                result, exc = None, e
+            with self._coll_qlock:
+                self._coll_queued -= 1
+            work._finish(result, exc)
+
+    # -- the collectives --
+    def all_reduce(
+        self,
+        send: Any,
+        recv: Any = None,
+        op: str = "sum",
+        *,
+        dtype: str | None = None,
+        shares: Sequence[float] | None = None,
+        algo: str = "auto",
+        async_op: bool = False,
+    ) -> Any:
+        """recv = send[0] op send[1] op ... op send[n-1] (rank order, every element).
+        recv None: in place. shares: each rank's fraction of the elements it
+        reduces (the same on every rank; default equal). algo: "direct"
+        (reduce-scatter + all-gather), "gather" (everyone sends everyone its
+        input: one exchange, for small messages) or "auto" (gather up to 16 KiB
+        without shares); every algo gives the same bits. Returns recv."""
+        if _gpu.is_device(send, recv):
+            return _gpu.collective(self, "all_reduce", send=send, recv=recv, op=op, dtype=dtype,
+                                   shares=shares, algo=algo, async_op=async_op)  # fmt: skip
+        s = as_buffer(send, dtype, "all_reduce send", recv is None)
+        r = s if recv is None else as_buffer(recv, dtype, "all_reduce recv", True)
+        self._same(s, r, "all_reduce", 1)
+        code = _op(op)
+        sh = None if shares is None else tuple(float(x) for x in shares)
+        if sh is not None and len(sh) != self.size:
+            raise UsageError(f"all_reduce: shares has {len(sh)} entries for {self.size} ranks")
+        if algo == "auto":
+            small = s.count * s.esize <= S.GATHER_MAX_BYTES and sh is None
+            algo = "gather" if small else "direct"
+        if algo not in ("direct", "gather"):
+            raise UsageError(f"all_reduce: algo must be auto, direct or gather, got {algo!r}")
+        what = f"all_reduce of {s.count} {s.dtype} ({op})"
+        key = ("all_reduce", s.count, s.esize, sh, op == "avg", algo)
+        n, rank, lag = self.size, self.rank, self.slots or 4
+        packed = self._plan(
+            key,
+            lambda: S.all_reduce(
+                rank, n, s.count, s.esize, shares=sh, avg=op == "avg", lag=lag, algo=algo
+            ),
+        )
+        sig = signature("all_reduce", s.count, s.dtype, op, sh, algo)
+        out = send if recv is None else recv
+        return self._submit(
+            what, lambda: self._do(what, packed, s, r, s.dtype, code, sig, out), async_op
+        )
+
+    def reduce(
+        self,
+        send: Any,
+        recv: Any = None,
+        op: str = "sum",
+        root: int = 0,
+        *,
+        dtype: str | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """The all_reduce result on root only (recv None: in place there); other
+        ranks' recv is not written. Returns recv (root) or None."""
+        if _gpu.is_device(send, recv):
+            return _gpu.collective(self, "reduce", send=send, recv=recv, op=op, root=root,
+                                   dtype=dtype, async_op=async_op)  # fmt: skip
+        self._check_root(root, "reduce")
+        s = as_buffer(send, dtype, "reduce send", recv is None and self.rank == root)
+        r: _Buf | None = None
+        if self.rank == root:
+            r = s if recv is None else as_buffer(recv, dtype, "reduce recv", True)
+            self._same(s, r, "reduce", 1)
+        code = _op(op)
+        what = f"reduce of {s.count} {s.dtype} ({op}, root {root})"
+        n, rank, lag = self.size, self.rank, self.slots or 4
+        packed = self._plan(
+            ("reduce", s.count, s.esize, root, op == "avg"),
+            lambda: S.reduce(rank, n, s.count, s.esize, root, avg=op == "avg", lag=lag),
+        )
+        sig = signature("reduce", s.count, s.dtype, op, root)
+        out = (send if recv is None else recv) if rank == root else None
+        return self._submit(
+            what, lambda: self._do(what, packed, s, r, s.dtype, code, sig, out), async_op
+        )
+
+    def broadcast(
+        self, buf: Any, root: int = 0, *, dtype: str | None = None, async_op: bool = False
+    ) -> Any:
+        """Root's buf to every rank's buf. Returns buf."""
+        if _gpu.is_device(buf):
+            return _gpu.collective(self, "broadcast", buf=buf, root=root, dtype=dtype,
+                                   async_op=async_op)  # fmt: skip
+        self._check_root(root, "broadcast")
+        b = as_buffer(buf, dtype, "broadcast buf", self.rank != root)
+        what = f"broadcast of {b.count} {b.dtype} (root {root})"
+        n, rank = self.size, self.rank
+        packed = self._plan(
+            ("broadcast", b.count, b.esize, root),
+            lambda: S.broadcast(rank, n, b.count, b.esize, root),
+        )
+        sig = signature("broadcast", b.count, b.dtype, root)
+        return self._submit(
+            what, lambda: self._do(what, packed, b, b, b.dtype, 0, sig, buf), async_op
+        )
+
+    def all_gather(
+        self, send: Any, recv: Any, *, dtype: str | None = None, async_op: bool = False
+    ) -> Any:
+        """recv[k * len(send):(k+1) * len(send)] = rank k's send. Returns recv."""
+        if _gpu.is_device(send, recv):
+            return _gpu.collective(self, "all_gather", send=send, recv=recv, dtype=dtype,
+                                   async_op=async_op)  # fmt: skip
+        s = as_buffer(send, dtype, "all_gather send", False)
+        r = as_buffer(recv, dtype, "all_gather recv", True)
+        self._same(s, r, "all_gather", self.size)
+        what = f"all_gather of {s.count} {s.dtype}"
+        n, rank = self.size, self.rank
+        packed = self._plan(
+            ("all_gather", s.count, s.esize), lambda: S.all_gather(rank, n, s.count, s.esize)
+        )
+        sig = signature("all_gather", s.count, s.dtype)
+        return self._submit(
+            what, lambda: self._do(what, packed, s, r, s.dtype, 0, sig, recv), async_op
+        )
+
+    def reduce_scatter(
+        self,
+        send: Any,
+        recv: Any,
+        op: str = "sum",
+        *,
+        dtype: str | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """recv = block `rank` of the reduction of every rank's send (n blocks of
+        len(recv)). Returns recv."""
+        if _gpu.is_device(send, recv):
+            return _gpu.collective(self, "reduce_scatter", send=send, recv=recv, op=op,
+                                   dtype=dtype, async_op=async_op)  # fmt: skip
+        s = as_buffer(send, dtype, "reduce_scatter send", False)
+        r = as_buffer(recv, dtype, "reduce_scatter recv", True)
+        self._same(r, s, "reduce_scatter", self.size)
+        code = _op(op)
+        what = f"reduce_scatter of {r.count} {s.dtype} per rank ({op})"
+        n, rank = self.size, self.rank
+        packed = self._plan(
+            ("reduce_scatter", r.count, s.esize, op == "avg"),
+            lambda: S.reduce_scatter(rank, n, r.count, s.esize, avg=op == "avg"),
+        )
+        sig = signature("reduce_scatter", r.count, s.dtype, op)
+        return self._submit(
+            what, lambda: self._do(what, packed, s, r, s.dtype, code, sig, recv), async_op
+        )
+
+    def all_to_all(
+        self,
+        send: Any,
+        recv: Any,
+        send_counts: Sequence[int] | None = None,
+        recv_counts: Sequence[int] | None = None,
+        *,
+        dtype: str | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Block k of send goes to rank k; block k of recv comes from rank k.
+        Counts in elements (None: equal blocks). Returns recv."""
+        if _gpu.is_device(send, recv):
+            return _gpu.collective(self, "all_to_all", send=send, recv=recv,
+                                   send_counts=send_counts, recv_counts=recv_counts, dtype=dtype,
+                                   async_op=async_op)  # fmt: skip
+        s = as_buffer(send, dtype, "all_to_all send", False)
+        r = as_buffer(recv, dtype, "all_to_all recv", True)
+        if s.dtype != r.dtype:
+            raise UsageError(f"all_to_all: send is {s.dtype}, recv is {r.dtype}")
+        n, rank = self.size, self.rank
+        sc = self._counts(send_counts, s.count, "send")
+        rc = self._counts(recv_counts, r.count, "recv")
+        what = f"all_to_all of {s.count} {s.dtype}"
+        packed = self._plan(
+            ("all_to_all", sc, rc, s.esize), lambda: S.all_to_all(rank, n, s.esize, sc, rc)
+        )
+        sig = signature("all_to_all", s.dtype)
+        return self._submit(
+            what, lambda: self._do(what, packed, s, r, s.dtype, 0, sig, recv), async_op
+        )
+
+    def barrier(self, *, async_op: bool = False) -> Any:
+        """Returns once every rank has entered the barrier."""
+        n, rank = self.size, self.rank
+        packed = self._plan(("barrier",), lambda: S.barrier(rank, n))
+        sig = signature("barrier")
+        return self._submit(
+            "barrier",
+            lambda: self._do("barrier", packed, None, None, "uint8", 0, sig, None),
+            async_op,
+        )
+
+    def send(self, buf: Any, peer: int, tag: int = 0, *, async_op: bool = False) -> Any:
+        """buf to `peer`, whose recv(…, peer=this rank, tag) must have the same size."""
+        if _gpu.is_device(buf):
+            return _gpu.collective(self, "send", buf=buf, peer=peer, tag=tag, async_op=async_op)
+        self._check_peer(peer, "send")
+        b = as_buffer(buf, None, "send buf", False)
+        nbytes = b.count * b.esize
+        what = f"send of {nbytes} bytes to rank {peer} (tag {tag})"
+        n, rank = self.size, self.rank
+        packed = self._plan(("send", peer, nbytes), lambda: S.send(rank, n, peer, nbytes))
+        sig = signature("p2p", nbytes, tag)
+        return self._submit(
+            what, lambda: self._do(what, packed, b, None, "uint8", 0, sig, None), async_op
+        )
+
+    def recv(self, buf: Any, peer: int, tag: int = 0, *, async_op: bool = False) -> Any:
+        """Fills buf from `peer`'s send(…, this rank, tag). Returns buf."""
+        if _gpu.is_device(buf):
+            return _gpu.collective(self, "recv", buf=buf, peer=peer, tag=tag, async_op=async_op)
+        self._check_peer(peer, "recv")
+        b = as_buffer(buf, None, "recv buf", True)
+        nbytes = b.count * b.esize
+        what = f"recv of {nbytes} bytes from rank {peer} (tag {tag})"
+        n, rank = self.size, self.rank
+        packed = self._plan(("recv", peer, nbytes), lambda: S.recv(rank, n, peer, nbytes))
+        sig = signature("p2p", nbytes, tag)
+        return self._submit(
+            what, lambda: self._do(what, packed, None, b, "uint8", 0, sig, buf), async_op
+        )
+
+    # -- helpers --
+    def _do(
+        self,
+        what: str,
+        packed: S.Packed,
+        s: _Buf | None,
+        r: _Buf | None,
+        dtype: str,
+        op: int,
+        sig: int,
+        out: Any,
+    ) -> Any:
+        self._run(what, packed, s, r, dtype, op, sig)
+        return out
+
+    def _same(self, small: _Buf, big: _Buf, what: str, factor: int) -> None:
+        if small.dtype != big.dtype:
+            raise UsageError(f"{what}: buffers of different dtypes ({small.dtype}, {big.dtype})")
+        if big.count != small.count * factor:
+            want = "the same size" if factor == 1 else f"{factor} x {small.count} elements"
+            raise UsageError(
+                f"{what}: {small.count} and {big.count} elements; the buffers need {want}"
+            )
+
+    def _check_root(self, root: int, what: str) -> None:
+        if not 0 <= root < self.size:
+            raise UsageError(f"{what}: root {root} out of range (0..{self.size - 1})")
+
+    def _check_peer(self, peer: int, what: str) -> None:
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise UsageError(
+                f"{what}: peer {peer} must be another rank (0..{self.size - 1}, not {self.rank})"
+            )
+
+    def _counts(self, counts: Sequence[int] | None, total: int, what: str) -> tuple[int, ...]:
+        n = self.size
+        if counts is None:
+            if total % n:
+                raise UsageError(
+                    f"all_to_all: {what} has {total} elements, not a multiple of {n} ranks"
+                )
+            return (total // n,) * n
+        out = tuple(int(c) for c in counts)
+        if len(out) != n or any(c < 0 for c in out) or sum(out) > total:
+            raise UsageError(
+                f"all_to_all: {what}_counts {list(out)} must be {n} counts >= 0 summing to at "
+                f"most {total}"
+            )
+        return out

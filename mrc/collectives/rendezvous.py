@@ -1,0 +1,556 @@
+"""The communicator's bootstrap: a small TCP rendezvous that rank 0's process serves.
+
+    uid = get_unique_id()      # starts the server thread here; bytes naming it
+    RendezvousClient(uid, timeout).join(rank, size, info) -> every rank's info, by rank
+
+The unique id is printable bytes, b"mrc-uid/1/<addr>/<port>/<token>": the server's
+address and port, the protocol version and a random token (so a stray process with an
+old id cannot join). Messages are JSON lines over one TCP connection per rank:
+
+    rank -> server   {"op": "join", version, token, rank, size, info}
+    server -> rank   {"op": "table", "infos": [...]}  once every rank has joined,
+                     {"op": "error", message, rank}   the group cannot form (and why)
+    both ways        {"op": "hb"}                     liveness, every `interval` seconds
+    rank -> server   {"op": "abort", message} | {"op": "bye"}  (bye: in close())
+    server -> rank   {"op": "failed", rank, message} | {"op": "closed", rank}
+                     {"op": "released"}               every rank has said bye (or failed)
+
+The connection stays open for the communicator's life: it is how a rank's death reaches
+the others at once (its socket closes without a "bye") and how a stopped or cut-off rank
+is noticed (no heartbeat for `timeout` seconds), independent of the transport's timers.
+One selector thread serves every rank, so a slow rank never holds up the others.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import secrets
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mrc.errors import CollectiveError, UsageError
+
+VERSION = 1
+MAGIC = "mrc-uid"
+_MAX_LINE = 1 << 20  # a join carries a few addresses; a longer line is not one of ours
+
+
+def heartbeat_interval(timeout: float) -> float:
+    """Heartbeats several times per timeout, so one late beat never looks like a death."""
+    return min(1.0, max(0.05, timeout / 5))
+
+
+@dataclass(frozen=True)
+class UniqueId:
+    addr: str
+    port: int
+    token: str
+    version: int = VERSION
+
+    def pack(self) -> bytes:
+        return f"{MAGIC}/{self.version}/{self.addr}/{self.port}/{self.token}".encode()
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview | str) -> UniqueId:
+        text = data if isinstance(data, str) else bytes(data).decode("ascii", "replace")
+        parts = text.split("/")
+        if len(parts) != 5 or parts[0] != MAGIC:
+            raise UsageError(
+                f"not an mrc unique id: {text[:80]!r} (want the bytes of mrc.get_unique_id())"
+            )
+        try:
+            version, port = int(parts[1]), int(parts[3])
+        except ValueError:
+            raise UsageError(f"malformed mrc unique id {text[:80]!r}") from None
+        if version != VERSION:
+            raise UsageError(
+                f"unique id of protocol version {version}, this mrc speaks {VERSION}: "
+                "every rank must run the same mrc"
+            )
+        if not 0 < port < 65536 or not parts[2] or not parts[4]:
+            raise UsageError(f"malformed mrc unique id {text[:80]!r}")
+        return cls(parts[2], port, parts[4], version)
+
+
+def env_token(addr: str, port: int, size: int, run_id: str) -> str:
+    """The token of an id built from launcher variables: every rank derives the same one,
+    and a rank of another run (another run id, size or port) does not match it."""
+    key = f"{MAGIC}/{VERSION}/{addr}/{port}/{size}/{run_id}".encode()
+    return hashlib.sha256(key).hexdigest()[:32]
+
+
+# The servers this process runs, by token: rank 0's communicator takes over the one
+# get_unique_id() started here (and stops it on close) instead of starting another.
+_servers: dict[str, RendezvousServer] = {}
+_servers_lock = threading.Lock()
+
+
+def get_unique_id(addr: str = "127.0.0.1", port: int = 0) -> bytes:
+    """Start a rendezvous server on addr:port (0: any free port) in this process and
+    return the id naming it; give it to every rank's Communicator (rank 0 in this process,
+    or in any process while this one lives)."""
+    uid = UniqueId(addr, port, secrets.token_hex(16))
+    server = RendezvousServer(uid)
+    with _servers_lock:
+        _servers[server.uid.token] = server
+    return server.uid.pack()
+
+
+def take_server(uid: UniqueId) -> RendezvousServer | None:
+    with _servers_lock:
+        return _servers.pop(uid.token, None)
+
+
+def try_serve(uid: UniqueId) -> RendezvousServer | None:
+    """Rank 0 with an id this process did not make: serve it at its address (from_env),
+    or, when that port is taken, join whoever serves it (get_unique_id() in another
+    process; a stranger there refuses our token, which is a clear error too)."""
+    try:
+        return RendezvousServer(uid)
+    except PortInUse:
+        return None
+
+
+def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
+    sock.sendall((json.dumps(msg) + "\n").encode())
+
+
+class PortInUse(UsageError):
+    """The rendezvous port is taken (by another server, perhaps the right one)."""
+
+
+class _Peer:
+    def __init__(self, sock: socket.socket, where: str) -> None:
+        self.sock = sock
+        self.where = where
+        self.buf = b""
+        self.rank: int | None = None
+        self.last_seen = time.monotonic()
+        self.gone = False  # said bye or failed: no more heartbeats expected
+        self.info: dict[str, Any] = {}
+
+
+class RendezvousServer:
+    """Collects every rank's info, hands out the table, then watches the ranks live."""
+
+    def __init__(self, uid: UniqueId) -> None:
+        family = socket.AF_INET6 if ":" in uid.addr else socket.AF_INET
+        self._lsock = socket.socket(family, socket.SOCK_STREAM)
+        self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._lsock.bind((uid.addr, uid.port))
+        except OSError as e:
+            self._lsock.close()
+            kind = PortInUse if e.errno == errno.EADDRINUSE else UsageError
+            raise kind(
+                f"cannot start the rendezvous on {uid.addr} port {uid.port}: {e.strerror} "
+                "(the address must be one of rank 0's, the port free)"
+            ) from None
+        self._lsock.listen(256)
+        self._lsock.setblocking(False)
+        self.uid = UniqueId(uid.addr, self._lsock.getsockname()[1], uid.token, uid.version)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._lsock, selectors.EVENT_READ, None)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._peers: list[_Peer] = []
+        self._by_rank: dict[int, _Peer] = {}
+        self._size: int | None = None
+        self._timeout = 60.0
+        self._deadline: float | None = None
+        self._error: dict[str, Any] | None = None  # the group failed to form: for everyone
+        self._complete = False
+        self._left: set[int] = set()  # ranks that closed, aborted or failed
+        self._released = False
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="mrc-rendezvous", daemon=True)
+        self._thread.start()
+
+    # --- the loop ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_beat = time.monotonic()
+        while not self._stopping:
+            interval = heartbeat_interval(self._timeout)
+            for key, _ in self._sel.select(timeout=interval / 2):
+                if key.data is None:
+                    self._accept()
+                elif key.data == "wake":
+                    self._wake_r.recv(64)
+                else:
+                    self._read(key.data)
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + interval
+                self._beat(now)
+        self._shutdown()
+
+    def _accept(self) -> None:
+        try:
+            sock, addr = self._lsock.accept()
+        except BlockingIOError:
+            return
+        sock.setblocking(True)  # small writes; reads only when the selector says so
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = _Peer(sock, f"{addr[0]}:{addr[1]}")
+        self._peers.append(peer)
+        self._sel.register(sock, selectors.EVENT_READ, peer)
+
+    def _read(self, peer: _Peer) -> None:
+        try:
+            data = peer.sock.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            self._lost(peer, "exited or lost its rendezvous connection without close()")
+            return
+        peer.last_seen = time.monotonic()
+        peer.buf += data
+        while b"\n" in peer.buf:
+            line, peer.buf = peer.buf.split(b"\n", 1)
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                self._drop(peer)
+                return
+            self._handle(peer, msg)
+        if len(peer.buf) > _MAX_LINE:
+            self._drop(peer)
+
+    def _handle(self, peer: _Peer, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        if op == "join":
+            self._join(peer, msg)
+        elif op == "bye":
+            peer.gone = True
+            if peer.rank is not None:
+                self._broadcast({"op": "closed", "rank": peer.rank}, skip=peer)
+                self._left_group(peer.rank)
+        elif op == "abort" and peer.rank is not None:
+            peer.gone = True
+            self._fail(peer.rank, str(msg.get("message", "aborted")), skip=peer)
+            self._left_group(peer.rank)
+
+    def _left_group(self, rank: int) -> None:
+        """Once every rank has closed (or failed), release the ranks waiting in close():
+        none of them tears its connections down while a peer may still need an ACK."""
+        self._left.add(rank)
+        if self._complete and not self._released and len(self._left) == self._size:
+            self._released = True
+            self._broadcast({"op": "released"})
+
+    def _join(self, peer: _Peer, msg: dict[str, Any]) -> None:
+        def refuse(message: str) -> None:
+            self._reply_error(peer, message)
+
+        if msg.get("version") != VERSION:
+            return refuse(f"protocol version {msg.get('version')}, the rendezvous speaks {VERSION}")
+        if msg.get("token") != self.uid.token:
+            theirs = str(msg.get("token"))[:8]
+            return refuse(
+                f"wrong unique id: the rendezvous at {self.uid.addr} port {self.uid.port} "
+                f"belongs to another communicator (token {self.uid.token[:8]}..., "
+                f"the rank's {theirs}...)"
+            )
+        rank, size = int(msg["rank"]), int(msg["size"])
+        if self._error is not None:
+            return self._send_error(peer, self._error)
+        if self._complete:
+            return refuse(f"rank {rank} joined a communicator of {self._size} that is complete")
+        if self._size is None:
+            self._size = size
+            self._timeout = float(msg.get("timeout", 60.0))
+            self._deadline = time.monotonic() + self._timeout
+            self._wake()
+        if size != self._size:
+            return self._group_error(
+                f"rank {rank} says the communicator has {size} ranks, others said {self._size}",
+                rank,
+            )
+        if not 0 <= rank < size:
+            return refuse(f"rank {rank} out of range for a communicator of {size} ranks")
+        if rank in self._by_rank:
+            first = self._by_rank[rank]
+            return self._group_error(
+                f"two processes joined as rank {rank} (from {first.where} and {peer.where})",
+                rank,
+            )
+        peer.rank = rank
+        peer.info = dict(msg.get("info", {}))
+        self._by_rank[rank] = peer
+        if len(self._by_rank) == self._size:
+            self._complete = True
+            infos = [self._by_rank[r].info for r in range(self._size)]
+            self._broadcast({"op": "table", "infos": infos})
+
+    def _beat(self, now: float) -> None:
+        if not self._complete and self._deadline is not None and now > self._deadline:
+            if self._error is None and self._size is not None:
+                missing = [r for r in range(self._size) if r not in self._by_rank]
+                joined = sorted(self._by_rank)
+                self._group_error(
+                    f"rank{'s' if len(missing) > 1 else ''} {_ranks(missing)} of "
+                    f"{self._size} did not join within {self._timeout:g} s "
+                    f"(joined: {_ranks(joined)})",
+                    missing[0] if len(missing) == 1 else None,
+                )
+            return
+        if not self._complete:
+            return
+        self._broadcast({"op": "hb"})
+        for p in list(self._peers):
+            if p.rank is not None and not p.gone and now - p.last_seen > self._timeout:
+                self._lost(p, f"sent nothing for {now - p.last_seen:.1f} s (stopped or cut off)")
+
+    # --- failures ---------------------------------------------------------------------
+
+    def _lost(self, peer: _Peer, what: str) -> None:
+        rank, gone = peer.rank, peer.gone
+        self._drop(peer)
+        if rank is None or gone:
+            return
+        if not self._complete:
+            # A rank that leaves before the table is out can never be part of it.
+            self._group_error(f"rank {rank} {what} before every rank had joined", rank)
+            return
+        self._fail(rank, f"rank {rank} {what}")
+        self._left_group(rank)
+
+    def _fail(self, rank: int, message: str, skip: _Peer | None = None) -> None:
+        self._broadcast({"op": "failed", "rank": rank, "message": message}, skip=skip)
+
+    def _group_error(self, message: str, rank: int | None) -> None:
+        self._error = {"op": "error", "message": message, "rank": rank}
+        for p in list(self._peers):
+            self._send_error(p, self._error)
+
+    def _reply_error(self, peer: _Peer, message: str) -> None:
+        self._send_error(peer, {"op": "error", "message": message, "rank": None})
+
+    def _send_error(self, peer: _Peer, msg: dict[str, Any]) -> None:
+        try:
+            _send(peer.sock, msg)
+        except OSError:
+            pass
+        self._drop(peer)
+
+    def _broadcast(self, msg: dict[str, Any], skip: _Peer | None = None) -> None:
+        for p in list(self._peers):
+            if p is skip or p.rank is None:
+                continue
+            try:
+                _send(p.sock, msg)
+            except OSError:
+                pass  # its death shows up as EOF on the next read
+
+    def _drop(self, peer: _Peer) -> None:
+        if peer in self._peers:
+            self._peers.remove(peer)
+            self._sel.unregister(peer.sock)
+            peer.sock.close()
+
+    # --- life -------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        """Tell the ranks still connected that the rendezvous is gone, and stop."""
+        self._stopping = True
+        self._wake()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def _shutdown(self) -> None:
+        self._broadcast({"op": "closed", "rank": None})
+        for p in list(self._peers):
+            self._drop(p)
+        self._sel.close()
+        self._lsock.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks) if ranks else "none"
+
+
+class RendezvousClient:
+    """A rank's side: join, then a monitor thread that beats and reports failures."""
+
+    def __init__(self, uid: UniqueId, timeout: float) -> None:
+        self.uid = uid
+        self.timeout = timeout
+        self._lock = threading.Lock()  # sendall from the monitor and the caller
+        self._sock = self._connect(time.monotonic() + timeout)
+        self._buf = b""
+        self._closed = False
+        self._monitor: threading.Thread | None = None
+
+    def _connect(self, deadline: float) -> socket.socket:
+        # Rank 0 may start its server after the others start (from_env): retry refusals.
+        delay, last = 0.02, "no attempt"
+        while True:
+            try:
+                left = max(0.1, deadline - time.monotonic())
+                sock = socket.create_connection((self.uid.addr, self.uid.port), timeout=left)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return sock
+            except OSError as e:
+                last = e.strerror or str(e)
+            if time.monotonic() + delay > deadline:
+                raise CollectiveError(
+                    f"could not reach the rendezvous of rank 0 at {self.uid.addr} port "
+                    f"{self.uid.port} within {self.timeout:g} s ({last}): is rank 0 running?",
+                    rank=0,
+                )
+            time.sleep(delay)  # back-off between connection attempts, not a sync
+            delay = min(delay * 2, 0.5)
+
+    def _recv(self, deadline: float | None) -> dict[str, Any] | None:
+        """The next message; None on EOF; raises socket.timeout past `deadline`."""
+        while b"\n" not in self._buf:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self._sock.settimeout(left)
+            else:
+                self._sock.settimeout(None)
+            try:
+                data = self._sock.recv(65536)
+            except TimeoutError:
+                raise
+            except OSError:
+                data = b""
+            if not data:
+                return None
+            self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
+        msg: dict[str, Any] = json.loads(line)
+        return msg
+
+    def send(self, msg: dict[str, Any]) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                _send(self._sock, msg)
+            except OSError:
+                pass  # the monitor sees the server go
+
+    def join(self, rank: int, size: int, info: dict[str, Any]) -> list[dict[str, Any]]:
+        msg = {"op": "join", "version": VERSION, "token": self.uid.token, "rank": rank}
+        self.send({**msg, "size": size, "timeout": self.timeout, "info": info})
+        # The server gives up at its own deadline and says who is missing; ours is later.
+        deadline = time.monotonic() + self.timeout + 5
+        where = f"{self.uid.addr} port {self.uid.port}"
+        while True:
+            try:
+                reply = self._recv(deadline)
+            except TimeoutError:
+                raise CollectiveError(
+                    f"rank {rank}: no answer from the rendezvous at {where} within "
+                    f"{self.timeout:g} s",
+                    rank=0,
+                ) from None
+            if reply is None:
+                raise CollectiveError(
+                    f"rank {rank}: the rendezvous at {where} closed before every rank joined",
+                    rank=0,
+                )
+            if reply["op"] == "table":
+                return list(reply["infos"])
+            if reply["op"] == "failed":
+                raise CollectiveError(
+                    f"rank {rank} cannot join: {reply['message']}", rank=reply.get("rank")
+                )
+            if reply["op"] == "error":
+                message = f"rank {rank} cannot join: {reply['message']}"
+                if reply.get("rank") is None and "wrong unique id" in reply["message"]:
+                    raise UsageError(message)
+                raise CollectiveError(message, rank=reply.get("rank"))
+
+    def start_monitor(
+        self,
+        on_failed: Callable[[int | None, str], None],
+        on_closed: Callable[[int | None], None],
+        on_released: Callable[[], None],
+    ) -> None:
+        """Beat every interval; call on_failed(rank, message) once when a rank (or the
+        rendezvous itself) fails, on_closed(rank) when a rank closes normally (None: the
+        rendezvous closed), on_released() once every rank is in close()."""
+
+        def run() -> None:
+            interval = heartbeat_interval(self.timeout)
+            last_heard = time.monotonic()
+            next_beat = 0.0
+            rank0_closing = False  # rank 0 said bye: its server goes with it, not a failure
+            while not self._closed:
+                now = time.monotonic()
+                if now >= next_beat:
+                    self.send({"op": "hb"})
+                    next_beat = now + interval
+                try:
+                    msg = self._recv(min(next_beat, last_heard + self.timeout))
+                except TimeoutError:
+                    if rank0_closing:
+                        continue
+                    if time.monotonic() - last_heard > self.timeout and not self._closed:
+                        on_failed(
+                            0,
+                            f"rank 0 (the rendezvous) sent nothing for "
+                            f"{self.timeout:g} s (stopped or cut off)",
+                        )
+                        return
+                    continue
+                except (OSError, ValueError):
+                    msg = None
+                if self._closed:
+                    return
+                if msg is None and rank0_closing:
+                    on_closed(None)
+                    return
+                if msg is None:
+                    on_failed(0, "rank 0 exited or lost its rendezvous connection without close()")
+                    return
+                last_heard = time.monotonic()
+                if msg["op"] == "failed":
+                    on_failed(msg.get("rank"), str(msg.get("message")))
+                    return
+                if msg["op"] == "released":
+                    on_released()
+                    return
+                if msg["op"] == "closed":
+                    rank0_closing = rank0_closing or msg.get("rank") == 0
+                    on_closed(msg.get("rank"))
+                    if msg.get("rank") is None:
+                        return  # rank 0 closed its communicator: nothing more to watch
+
+        self._monitor = threading.Thread(target=run, name="mrc-comm-monitor", daemon=True)
+        self._monitor.start()
+
+    def close(self, message: dict[str, Any] | None = None) -> None:
+        if message is not None:
+            self.send(message)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        if self._monitor is not None and threading.current_thread() is not self._monitor:
+            self._monitor.join(timeout=5)

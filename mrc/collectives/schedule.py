@@ -1,0 +1,491 @@
+"""The planner: collective algorithms as data.
+
+A schedule is one rank's list of steps (SEND/RECV a byte range to/from a peer,
+REDUCE sources into a destination in a given order, COPY), with dependencies
+on earlier steps. The C executor (src_c/coll.c) runs any schedule: it cuts
+each step into chunks, pipelines them, and applies dependencies chunk by chunk
+(chunk i of a step waits for chunk i of the steps it depends on). Buffers are
+the call's send and recv buffers (the same memory when in place) and scratch
+rings: a RECV into ring k puts chunk i in slot i % slots, so scratch is bounded
+by the pipeline (nrings * slots * chunk bytes), not by the message.
+
+Fixed reduction order: every REDUCE lists its sources in rank order 0..n-1,
+and each element is reduced by exactly one REDUCE (its owner's), so every
+schedule here gives the same bits for the same inputs, whatever the shares,
+chunk size, arrival order or path failures.
+
+Message matching between two ranks is by order: the k-th SEND step from a to
+b (pair_seq k) meets the k-th RECV step from a at b, chunk by chunk, and must
+have the same length and lag. Within a direction, chunk i of a step is message
+number i + lag (ties: lower pair_seq first): the all-gather phase has lag =
+the ring depth, so its chunks interleave with the reduce-scatter's instead of
+queueing behind all of them, and its RECVs are posted before its data comes.
+``check_pair`` verifies a set of schedules pairs up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import numpy as np
+
+from mrc.errors import UsageError
+
+SEND, RECV, REDUCE, COPY = 1, 2, 3, 4
+KIND_NAMES = {SEND: "send", RECV: "recv", REDUCE: "reduce", COPY: "copy"}
+BUF_SEND, BUF_RECV, BUF_SCRATCH = 0, 1, 2
+BUF_NAMES = {BUF_SEND: "send", BUF_RECV: "recv", BUF_SCRATCH: "scratch"}
+FINISH = 0x1  # REDUCE: AVG divides by n after the last source
+
+# Mirrors struct mrc_coll_step / mrc_coll_ref in src_c/include/mrc.h (the
+# binding checks the item sizes against the C structs).
+STEP_DTYPE = np.dtype(
+    [
+        ("kind", "<u4"),
+        ("peer", "<i4"),
+        ("pair_seq", "<u4"),
+        ("flags", "<u4"),
+        ("len", "<u8"),
+        ("src", "<u4"),
+        ("nsrc", "<u4"),
+        ("dst", "<u4"),
+        ("dep", "<u4"),
+        ("ndeps", "<u4"),
+        ("lag", "<u4"),
+    ]
+)
+REF_DTYPE = np.dtype([("buf", "<u4"), ("pad", "<u4"), ("off", "<u8")])
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A place in a buffer: byte offset in send/recv, or a scratch ring index."""
+
+    buf: int
+    off: int
+
+    def __repr__(self) -> str:
+        return f"{BUF_NAMES[self.buf]}[{self.off}]"
+
+
+@dataclass
+class Step:
+    kind: int
+    length: int  # bytes
+    peer: int = -1
+    pair_seq: int = 0
+    srcs: tuple[Ref, ...] = ()
+    dst: Ref | None = None
+    deps: tuple[int, ...] = ()
+    flags: int = 0
+    lag: int = 0  # SEND/RECV: chunk i is this pair's message i + lag
+
+    def __repr__(self) -> str:
+        what = KIND_NAMES[self.kind]
+        where = f" peer {self.peer}#{self.pair_seq}" if self.peer >= 0 else ""
+        return f"{what}{where} {self.length}B {list(self.srcs)}->{self.dst} deps={list(self.deps)}"
+
+
+@dataclass
+class Packed:
+    """The C executor's input: three contiguous arrays and the ring count."""
+
+    steps: np.ndarray
+    refs: np.ndarray
+    deps: np.ndarray
+    nrings: int
+    name: str = ""
+    info: dict = field(default_factory=dict)  # e.g. all_reduce's share bounds
+
+
+@dataclass
+class Schedule:
+    """One rank's steps for one call. send_bytes/recv_bytes: the buffer sizes
+    it addresses (the caller's buffers must be at least that big)."""
+
+    name: str
+    rank: int
+    nranks: int
+    send_bytes: int
+    recv_bytes: int
+    steps: list[Step] = field(default_factory=list)
+    nrings: int = 0
+    info: dict = field(default_factory=dict)
+    _seq: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
+    _packed: Packed | None = field(default=None, repr=False)
+
+    # -- building --
+    def add(self, step: Step) -> int:
+        if step.kind in (SEND, RECV):
+            key = (step.peer, step.kind)
+            step.pair_seq = self._seq.get(key, 0)
+            self._seq[key] = step.pair_seq + 1
+        self.steps.append(step)
+        return len(self.steps) - 1
+
+    def send(self, peer: int, src: Ref, length: int, deps: Sequence[int] = (), lag: int = 0) -> int:
+        return self.add(Step(SEND, length, peer=peer, srcs=(src,), deps=tuple(deps), lag=lag))
+
+    def recv(self, peer: int, dst: Ref, length: int, deps: Sequence[int] = (), lag: int = 0) -> int:
+        return self.add(Step(RECV, length, peer=peer, dst=dst, deps=tuple(deps), lag=lag))
+
+    def reduce(
+        self, dst: Ref, srcs: Sequence[Ref], length: int, deps: Sequence[int], finish: bool
+    ) -> int:
+        return self.add(
+            Step(
+                REDUCE,
+                length,
+                srcs=tuple(srcs),
+                dst=dst,
+                deps=tuple(deps),
+                flags=FINISH if finish else 0,
+            )
+        )
+
+    def copy(self, dst: Ref, src: Ref, length: int, deps: Sequence[int] = ()) -> int:
+        return self.add(Step(COPY, length, srcs=(src,), dst=dst, deps=tuple(deps)))
+
+    def ring(self) -> Ref:
+        self.nrings += 1
+        return Ref(BUF_SCRATCH, self.nrings - 1)
+
+    # -- checking and packing --
+    def check(self) -> None:
+        """The rules the executor relies on (it checks them again in C)."""
+        producers: dict[int, int] = {}
+        for i, s in enumerate(self.steps):
+            if any(d >= i or d < 0 for d in s.deps):
+                raise UsageError(f"{self.name}: step {i} depends on a later step: {s}")
+            if s.kind in (SEND, RECV) and not (0 <= s.peer < self.nranks and s.peer != self.rank):
+                raise UsageError(f"{self.name}: step {i} has a bad peer: {s}")
+            refs = [*s.srcs, *([s.dst] if s.dst else [])]
+            for r in refs:
+                if r.buf == BUF_SCRATCH:
+                    if not 0 <= r.off < self.nrings:
+                        raise UsageError(f"{self.name}: step {i} names ring {r.off}")
+                    continue
+                size = self.send_bytes if r.buf == BUF_SEND else self.recv_bytes
+                if r.off + s.length > size:
+                    raise UsageError(f"{self.name}: step {i} is outside the {size}-byte buffer")
+            if s.dst is not None and s.dst.buf == BUF_SCRATCH:
+                if s.dst.off in producers:
+                    raise UsageError(f"{self.name}: ring {s.dst.off} has two producers")
+                producers[s.dst.off] = i
+        for i, s in enumerate(self.steps):
+            for r in s.srcs:
+                if r.buf == BUF_SCRATCH:
+                    p = producers.get(r.off)
+                    if p is None or p not in s.deps or self.steps[p].length != s.length:
+                        raise UsageError(
+                            f"{self.name}: step {i} reads ring {r.off} without depending "
+                            "on its producer chunk for chunk"
+                        )
+
+    def pack(self) -> Packed:
+        if self._packed is not None:
+            return self._packed
+        self.check()
+        steps = np.zeros(len(self.steps), STEP_DTYPE)
+        refs: list[tuple[int, int]] = []
+        deps: list[int] = []
+        for i, s in enumerate(self.steps):
+            row = steps[i]
+            row["kind"], row["peer"], row["pair_seq"] = s.kind, s.peer, s.pair_seq
+            row["flags"], row["len"] = s.flags, s.length
+            row["src"], row["nsrc"] = len(refs), len(s.srcs)
+            refs.extend((r.buf, r.off) for r in s.srcs)
+            if s.dst is not None:
+                row["dst"] = len(refs)
+                refs.append((s.dst.buf, s.dst.off))
+            row["dep"], row["ndeps"], row["lag"] = len(deps), len(s.deps), s.lag
+            deps.extend(s.deps)
+        ref_arr = np.zeros(len(refs), REF_DTYPE)
+        for i, (b, o) in enumerate(refs):
+            ref_arr[i]["buf"], ref_arr[i]["off"] = b, o
+        self._packed = Packed(
+            steps, ref_arr, np.asarray(deps, dtype="<u4"), self.nrings, self.name, self.info
+        )
+        return self._packed
+
+
+def check_pair(schedules: Sequence[Schedule]) -> None:
+    """Across ranks: every SEND has its RECV, in the same order, with the same
+    (length, lag)."""
+    n = len(schedules)
+    for a in range(n):
+        for b in range(n):
+            if a == b:
+                continue
+            sends = [
+                (s.length, s.lag) for s in schedules[a].steps if s.kind == SEND and s.peer == b
+            ]
+            recvs = [
+                (s.length, s.lag) for s in schedules[b].steps if s.kind == RECV and s.peer == a
+            ]
+            if sends != recvs:
+                raise UsageError(
+                    f"{schedules[a].name}: rank {a} sends {sends} to rank {b}, "
+                    f"which receives {recvs}"
+                )
+
+
+# ---- shares ---------------------------------------------------------------
+
+
+def share_bounds(count: int, n: int, shares: Sequence[float] | None = None) -> list[int]:
+    """Element boundaries of each rank's share: rank k owns [b[k], b[k+1]).
+
+    Equal by default (the remainder spread over the first ranks); otherwise
+    in proportion to `shares` (any non-negative weights, e.g. bandwidths).
+    Exact rational arithmetic, so every rank computes the same bounds."""
+    if shares is None:
+        q, r = divmod(count, n)
+        out = [0]
+        for k in range(n):
+            out.append(out[-1] + q + (1 if k < r else 0))
+        return out
+    if len(shares) != n:
+        raise UsageError(f"shares has {len(shares)} entries for {n} ranks")
+    w = [Fraction(s) for s in shares]
+    if any(x < 0 for x in w) or sum(w) <= 0:
+        raise UsageError(f"shares must be >= 0 with a positive sum, got {list(shares)}")
+    total = sum(w)
+    out, acc = [0], Fraction(0)
+    for x in w:
+        acc += x
+        out.append(int(count * acc / total))
+    out[-1] = count
+    return out
+
+
+# ---- the algorithms -------------------------------------------------------
+
+
+def _reduce_scatter_phase(
+    sch: Schedule, bounds: list[int], esize: int, out: Ref | None, finish: bool
+) -> tuple[int, dict[int, int]]:
+    """Direct reduce-scatter: every rank sends each owner the raw share of its
+    send buffer; the owner reduces all n contributions in rank order into
+    `out` (None: a scratch ring). Returns (the REDUCE step, send step per peer)."""
+    r, n = sch.rank, sch.nranks
+    mine = (bounds[r + 1] - bounds[r]) * esize
+    sends: dict[int, int] = {}
+    rings: dict[int, Ref] = {}
+    recvs: list[int] = []
+    # Start with the next rank: n-1 senders spread over owners, not all on rank 0.
+    for d in range(1, n):
+        j = (r + d) % n
+        sends[j] = sch.send(
+            j, Ref(BUF_SEND, bounds[j] * esize), (bounds[j + 1] - bounds[j]) * esize
+        )
+        k = (r - d) % n
+        rings[k] = sch.ring()
+        recvs.append(sch.recv(k, rings[k], mine))
+    srcs = [Ref(BUF_SEND, bounds[r] * esize) if i == r else rings[i] for i in range(n)]
+    dst = out if out is not None else sch.ring()
+    red = sch.reduce(dst, srcs, mine, recvs, finish)
+    return red, sends
+
+
+def all_reduce(
+    rank: int,
+    n: int,
+    count: int,
+    esize: int,
+    *,
+    shares: Sequence[float] | None = None,
+    avg: bool = False,
+    lag: int = 4,
+    algo: str = "direct",
+) -> Schedule:
+    """Direct all_reduce: reduce-scatter to owners (each reduces the raw
+    contributions in rank order), then all-gather of the owners' shares.
+    Bytes per rank 2(n-1)/n of the data, as a ring, with two sequential steps.
+    `shares`: each rank's fraction of the elements (issue 13's resilient
+    schedule is this one with bandwidth-proportional shares). lag: the
+    executor's ring depth (slots), so that the all-gather of chunk i is sent
+    as the reduce-scatter of chunk i + lag frees the ring."""
+    nbytes = count * esize
+    if algo == "gather":
+        return _all_reduce_gather(rank, n, nbytes, avg)
+    if algo != "direct":
+        raise UsageError(f"all_reduce algorithm must be direct or gather, got {algo!r}")
+    sch = Schedule("all_reduce", rank, n, nbytes, nbytes)
+    if n == 1:
+        sch.reduce(Ref(BUF_RECV, 0), [Ref(BUF_SEND, 0)], nbytes, (), avg)
+        return sch
+    b = share_bounds(count, n, shares)
+    sch.info["share_bounds"] = b
+    mine = (b[rank + 1] - b[rank]) * esize
+    red, rs_sends = _reduce_scatter_phase(sch, b, esize, Ref(BUF_RECV, b[rank] * esize), avg)
+    for d in range(1, n):
+        j = (rank + d) % n
+        sch.send(j, Ref(BUF_RECV, b[rank] * esize), mine, [red], lag)
+        k = (rank - d) % n
+        # In place, recv[share k] is also what this rank is sending to k.
+        ln = (b[k + 1] - b[k]) * esize
+        sch.recv(k, Ref(BUF_RECV, b[k] * esize), ln, [rs_sends[k]], lag)
+    return sch
+
+
+GATHER_MAX_BYTES = 16 << 10  # all_reduce below this: one exchange instead of two
+
+
+def _all_reduce_gather(rank: int, n: int, nbytes: int, avg: bool) -> Schedule:
+    """Small all_reduce: every rank sends its whole input to every other and
+    reduces all n in rank order itself. One dependent exchange instead of two
+    (latency), (n-1) x the bytes (nothing at these sizes); the same bits as
+    "direct", since each element is still reduced in rank order."""
+    sch = Schedule("all_reduce_gather", rank, n, nbytes, nbytes)
+    rings: dict[int, Ref] = {}
+    recvs, sends = [], []
+    for d in range(1, n):
+        sends.append(sch.send((rank + d) % n, Ref(BUF_SEND, 0), nbytes))
+        k = (rank - d) % n
+        rings[k] = sch.ring()
+        recvs.append(sch.recv(k, rings[k], nbytes))
+    srcs = [Ref(BUF_SEND, 0) if i == rank else rings[i] for i in range(n)]
+    # In place the destination is the buffer being sent: wait for the sends.
+    sch.reduce(Ref(BUF_RECV, 0), srcs, nbytes, recvs + sends, avg)
+    return sch
+
+
+def reduce(
+    rank: int, n: int, count: int, esize: int, root: int, *, avg: bool = False, lag: int = 4
+) -> Schedule:
+    """Direct reduce-scatter, then every owner sends its reduced share to root."""
+    nbytes = count * esize
+    sch = Schedule("reduce", rank, n, nbytes, nbytes if rank == root else 0)
+    if n == 1:
+        sch.reduce(Ref(BUF_RECV, 0), [Ref(BUF_SEND, 0)], nbytes, (), avg)
+        return sch
+    b = share_bounds(count, n)
+    out = Ref(BUF_RECV, b[rank] * esize) if rank == root else None
+    red, rs_sends = _reduce_scatter_phase(sch, b, esize, out, avg)
+    if rank != root:
+        mine = (b[rank + 1] - b[rank]) * esize
+        dst = sch.steps[red].dst
+        assert dst is not None
+        sch.send(root, dst, mine, [red], lag)
+    else:
+        for k in range(n):
+            if k != root:
+                ln = (b[k + 1] - b[k]) * esize
+                sch.recv(k, Ref(BUF_RECV, b[k] * esize), ln, [rs_sends[k]], lag)
+    return sch
+
+
+SCATTER_MIN_BYTES = 64 << 10  # below this, broadcast sends the whole buffer from root
+
+
+def broadcast(rank: int, n: int, count: int, esize: int, root: int, algo: str = "auto") -> Schedule:
+    """In place on one buffer (send = recv). "direct": root sends everything to
+    every rank; "scatter": root sends share k to rank k (the root's own share
+    is empty), then the other ranks all-gather the shares: root's egress is the
+    data once instead of n-1 times."""
+    nbytes = count * esize
+    sch = Schedule("broadcast", rank, n, nbytes, nbytes)
+    if n == 1:
+        return sch
+    if algo == "auto":
+        algo = "scatter" if nbytes >= SCATTER_MIN_BYTES and n > 2 else "direct"
+    if algo == "direct":
+        if rank == root:
+            for d in range(1, n):
+                sch.send((root + d) % n, Ref(BUF_RECV, 0), nbytes)
+        else:
+            sch.recv(root, Ref(BUF_RECV, 0), nbytes)
+        return sch
+    if algo != "scatter":
+        raise UsageError(f"broadcast algorithm must be auto, direct or scatter, got {algo!r}")
+    b = share_bounds(count, n, [0 if k == root else 1 for k in range(n)])
+    ln = [(b[k + 1] - b[k]) * esize for k in range(n)]
+    if rank == root:
+        for d in range(1, n):
+            k = (root + d) % n
+            sch.send(k, Ref(BUF_RECV, b[k] * esize), ln[k])
+        return sch
+    got = sch.recv(root, Ref(BUF_RECV, b[rank] * esize), ln[rank])
+    for d in range(1, n):
+        j = (rank + d) % n
+        if j != root:
+            sch.send(j, Ref(BUF_RECV, b[rank] * esize), ln[rank], [got])
+    for d in range(1, n):
+        k = (rank - d) % n
+        if k != root:
+            sch.recv(k, Ref(BUF_RECV, b[k] * esize), ln[k])
+    return sch
+
+
+def all_gather(rank: int, n: int, count: int, esize: int) -> Schedule:
+    """send (count) -> recv (n * count): rank k's block at k * count."""
+    blk = count * esize
+    sch = Schedule("all_gather", rank, n, blk, n * blk)
+    sch.copy(Ref(BUF_RECV, rank * blk), Ref(BUF_SEND, 0), blk)
+    for d in range(1, n):
+        sch.send((rank + d) % n, Ref(BUF_SEND, 0), blk)
+        k = (rank - d) % n
+        sch.recv(k, Ref(BUF_RECV, k * blk), blk)
+    return sch
+
+
+def reduce_scatter(rank: int, n: int, count: int, esize: int, *, avg: bool = False) -> Schedule:
+    """send (n * count) -> recv (count): rank k gets the reduction of block k."""
+    sch = Schedule("reduce_scatter", rank, n, n * count * esize, count * esize)
+    if n == 1:
+        sch.reduce(Ref(BUF_RECV, 0), [Ref(BUF_SEND, 0)], count * esize, (), avg)
+        return sch
+    b = [k * count for k in range(n + 1)]
+    # recv holds only this rank's block: its offset there is 0.
+    _reduce_scatter_phase(sch, b, esize, Ref(BUF_RECV, 0), avg)
+    return sch
+
+
+def all_to_all(
+    rank: int, n: int, esize: int, send_counts: Sequence[int], recv_counts: Sequence[int]
+) -> Schedule:
+    """Block k of send (send_counts[k] elements, packed in rank order) goes to
+    rank k; block k of recv comes from rank k."""
+    if len(send_counts) != n or len(recv_counts) != n:
+        raise UsageError(f"all_to_all needs {n} send and recv counts")
+    so = np.concatenate([[0], np.cumsum(send_counts)]).astype(int).tolist()
+    ro = np.concatenate([[0], np.cumsum(recv_counts)]).astype(int).tolist()
+    sch = Schedule("all_to_all", rank, n, so[-1] * esize, ro[-1] * esize)
+    if send_counts[rank] != recv_counts[rank]:
+        raise UsageError(
+            f"all_to_all: rank {rank} sends itself {send_counts[rank]} elements "
+            f"but expects {recv_counts[rank]}"
+        )
+    sch.copy(
+        Ref(BUF_RECV, ro[rank] * esize), Ref(BUF_SEND, so[rank] * esize), send_counts[rank] * esize
+    )
+    for d in range(1, n):
+        j = (rank + d) % n
+        sch.send(j, Ref(BUF_SEND, so[j] * esize), send_counts[j] * esize)
+        k = (rank - d) % n
+        sch.recv(k, Ref(BUF_RECV, ro[k] * esize), recv_counts[k] * esize)
+    return sch
+
+
+def barrier(rank: int, n: int) -> Schedule:
+    """A zero-byte message to and from every rank."""
+    sch = Schedule("barrier", rank, n, 0, 0)
+    for d in range(1, n):
+        sch.send((rank + d) % n, Ref(BUF_SEND, 0), 0)
+        sch.recv((rank - d) % n, Ref(BUF_RECV, 0), 0)
+    return sch
+
+
+def send(rank: int, n: int, peer: int, nbytes: int) -> Schedule:
+    sch = Schedule("send", rank, n, nbytes, 0)
+    sch.send(peer, Ref(BUF_SEND, 0), nbytes)
+    return sch
+
+
+def recv(rank: int, n: int, peer: int, nbytes: int) -> Schedule:
+    sch = Schedule("recv", rank, n, 0, nbytes)
+    sch.recv(peer, Ref(BUF_RECV, 0), nbytes)
+    return sch

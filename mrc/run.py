@@ -1,0 +1,345 @@
+"""mrc-run: start N ranks of a command, as torchrun/mpirun do, on loopback or a fabric.
+
+    mrc-run -n 4 -- python train.py
+    mrc-run -n 4 --fabric routing/4host-4plane.toml --name mrc -- mrc-perf all_reduce -b 8 -e 1M
+
+Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+(torchrun's names) and MRC_PORT, MRC_RUN_ID, MRC_TIMEOUT, and on a fabric MRC_FABRIC,
+MRC_FABRIC_NAME, MRC_HOST, so mrc.Communicator.from_env() needs nothing else. On a fabric
+(which must be up: `mrc-fabric up FILE --name NAME`) rank r runs in host r's namespace
+(--hosts to choose) and MASTER_ADDR is rank 0's host's plane-0 address.
+
+Every output line is prefixed "[r] ". When a rank fails, the others get --settle seconds
+(2) to end by themselves (their communicators raise at once, naming it), then are stopped
+(SIGTERM, then SIGKILL), its last lines and exit code are shown, and mrc-run exits with the first
+failure's code (128 + signal for a rank killed by a signal). Ctrl-C stops every rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path as FsPath
+from typing import IO
+
+import click
+
+from mrc.errors import MrcError
+
+TAIL_LINES = 20
+STOP_GRACE_S = 3.0
+SETTLE_S = 2.0  # after a failure, how long the others may take to end by themselves
+
+
+@dataclass
+class Rank:
+    rank: int
+    argv: list[str]
+    env: dict[str, str]
+    host: str | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    tail: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=TAIL_LINES)
+    )
+    reader: threading.Thread | None = None
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports of this namespace (held together so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def exit_code(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc
+
+
+def describe(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exited with code {rc}"
+
+
+def plan(
+    n: int,
+    cmd: Sequence[str],
+    fabric: str | None = None,
+    name: str = "mrc",
+    hosts: Sequence[str] | None = None,
+    timeout: float | None = None,
+    planes: str | None = None,
+    base_env: dict[str, str] | None = None,
+) -> list[Rank]:
+    """Each rank's argv and environment (no process started yet)."""
+    if n < 1:
+        raise click.UsageError(f"-n must be >= 1, got {n}")
+    if not cmd:
+        raise click.UsageError("no command: mrc-run -n N -- CMD [ARGS...]")
+    env0 = dict(os.environ if base_env is None else base_env)
+    master_port, mrc_port = free_ports(2)
+    common = {
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n),
+        "MASTER_PORT": str(master_port),  # for the program's own torch store, if any
+        "MRC_PORT": str(mrc_port),  # the communicator's rendezvous
+        "MRC_RUN_ID": secrets.token_hex(8),
+        "PYTHONUNBUFFERED": "1",  # lines come out as they are printed, not at exit
+    }
+    if timeout is not None:
+        common["MRC_TIMEOUT"] = str(timeout)
+    if planes is not None:
+        common["MRC_PLANES"] = planes
+    if fabric is None:
+        if hosts:
+            raise click.UsageError("--hosts needs --fabric")
+        common["MASTER_ADDR"] = "127.0.0.1"
+        return [
+            Rank(r, list(cmd), {**env0, **common, "RANK": str(r), "LOCAL_RANK": str(r)})
+            for r in range(n)
+        ]
+    return _plan_fabric(n, cmd, fabric, name, hosts, env0, common)
+
+
+def _plan_fabric(
+    n: int,
+    cmd: Sequence[str],
+    fabric: str,
+    name: str,
+    hosts: Sequence[str] | None,
+    env0: dict[str, str],
+    common: dict[str, str],
+) -> list[Rank]:
+    from mrc.fabric import netns
+    from mrc.fabric.state import load_state
+    from mrc.routing import load_fabric
+
+    fab = load_fabric(fabric)
+    state = load_state(name)  # raises "not up; run mrc-fabric up ..." naming the prefix
+    if FsPath(state.fabric).resolve() != FsPath(fabric).resolve():
+        raise click.UsageError(
+            f"fabric {name!r} is up from {state.fabric}, not {fabric}: pass its file, or "
+            f"--name of the fabric built from {fabric}"
+        )
+    names = [h.name for h in fab.hosts]
+    if hosts is None:
+        if n > len(names):
+            raise click.UsageError(
+                f"-n {n} ranks but fabric {fab.name} has {len(names)} hosts: pass --hosts"
+            )
+        hosts = names[:n]
+    if len(hosts) != n:
+        raise click.UsageError(f"--hosts lists {len(hosts)} hosts for -n {n} ranks")
+    for h in hosts:
+        if h not in names:
+            raise click.UsageError(
+                f"no host {h!r} in fabric {fab.name} (hosts: {', '.join(names)})"
+            )
+    common = {
+        **common,
+        "MASTER_ADDR": fab.host(hosts[0]).addrs[0],
+        "MRC_FABRIC": str(FsPath(fabric).resolve()),
+        "MRC_FABRIC_NAME": name,
+    }
+    ranks = []
+    seen: dict[str, int] = {}
+    for r, h in enumerate(hosts):
+        local = seen.get(h, 0)
+        seen[h] = local + 1
+        env = {**env0, **common, "RANK": str(r), "LOCAL_RANK": str(local), "MRC_HOST": h}
+        ranks.append(Rank(r, netns.exec_argv(name, h, list(cmd)), env, host=h))
+    for rk in ranks:
+        rk.env["LOCAL_WORLD_SIZE"] = str(seen[rk.host or ""])
+    return ranks
+
+
+class Launcher:
+    """Runs the planned ranks; run() returns the exit code mrc-run exits with."""
+
+    def __init__(
+        self,
+        ranks: list[Rank],
+        out: IO[str] | None = None,
+        time_limit: float = 0,
+        settle: float = SETTLE_S,
+    ) -> None:
+        self.ranks = ranks
+        self.settle = settle
+        self.out = out or sys.stdout
+        self.time_limit = time_limit
+        self._lock = threading.Lock()
+        self._exits: queue.Queue[tuple[int, int]] = queue.Queue()
+
+    def say(self, text: str) -> None:
+        with self._lock:
+            self.out.write(text if text.endswith("\n") else text + "\n")
+            self.out.flush()
+
+    def _start(self, rk: Rank) -> None:
+        # Its own session: a rank's children are stopped with it, and the terminal's Ctrl-C
+        # reaches mrc-run only, which stops every rank the same way.
+        rk.proc = subprocess.Popen(
+            rk.argv,
+            env=rk.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        rk.reader = threading.Thread(target=self._pump, args=(rk,), daemon=True)
+        rk.reader.start()
+
+    def _pump(self, rk: Rank) -> None:
+        assert rk.proc is not None and rk.proc.stdout is not None
+        for raw in rk.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            rk.tail.append(line)
+            self.say(f"[{rk.rank}] {line}")
+        rk.proc.wait()
+        self._exits.put((rk.rank, rk.proc.returncode))
+
+    def _stop(self, ranks: list[Rank], settle: float = 0.0) -> list[int]:
+        """Give the ranks `settle` seconds to end by themselves (after a failure, the
+        others' communicators raise at once, naming the failed rank: their words are
+        worth showing), then SIGTERM every running rank's process group and SIGKILL
+        what is left after the grace period; returns the ranks that had to be stopped."""
+        deadline = time.monotonic() + settle
+        for rk in ranks:
+            if rk.proc is None:
+                continue  # never started
+            try:
+                rk.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        stopped = [rk for rk in ranks if rk.proc is not None and rk.proc.poll() is None]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for rk in stopped:
+                assert rk.proc is not None
+                if rk.proc.poll() is None:
+                    try:
+                        os.killpg(rk.proc.pid, sig)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + STOP_GRACE_S
+            for rk in stopped:
+                assert rk.proc is not None
+                try:
+                    rk.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        return [rk.rank for rk in stopped]
+
+    def run(self) -> int:
+        try:
+            for rk in self.ranks:
+                self._start(rk)
+        except OSError as e:
+            self._stop(self.ranks)
+            self.say(f"mrc-run: cannot start {self.ranks[0].argv[0]!r}: {e.strerror}")
+            return 127
+        first: tuple[int, int] | None = None
+        left = len(self.ranks)
+        deadline = time.monotonic() + self.time_limit if self.time_limit > 0 else None
+        try:
+            while left:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    rank, rc = self._exits.get(timeout=wait)
+                except queue.Empty:
+                    stopped = self._stop(self.ranks)
+                    self.say(
+                        f"mrc-run: time limit of {self.time_limit:g} s reached; "
+                        f"stopped ranks {', '.join(map(str, stopped))}"
+                    )
+                    self._drain()
+                    return 124
+                left -= 1
+                if rc != 0 and first is None:
+                    first = (rank, rc)
+                    others = [r for r in self.ranks if r.rank != rank]
+                    stopped = self._stop(others, settle=self.settle)
+                    self._report(rank, rc, stopped)
+        except KeyboardInterrupt:
+            stopped = self._stop(self.ranks)
+            self.say(f"mrc-run: interrupted; stopped ranks {', '.join(map(str, stopped))}")
+            self._drain()
+            return 130
+        self._drain()
+        return 0 if first is None else exit_code(first[1])
+
+    def _drain(self) -> None:
+        for rk in self.ranks:
+            if rk.reader is not None:
+                rk.reader.join(timeout=5)
+
+    def _report(self, rank: int, rc: int, stopped: list[int]) -> None:
+        rk = self.ranks[rank]
+        if rk.reader is not None:
+            rk.reader.join(timeout=5)  # its last lines are in the tail
+        where = f" on {rk.host}" if rk.host else ""
+        lines = [f"mrc-run: rank {rank}{where} {describe(rc)} (first failure)"]
+        if stopped:
+            lines.append(f"mrc-run: stopped ranks {', '.join(map(str, stopped))}")
+        lines.append(f"mrc-run: last {len(rk.tail)} lines of rank {rank}:")
+        lines += [f"  {line}" for line in rk.tail]
+        self.say("\n".join(lines))
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-n", "--nranks", "n", type=int, required=True, help="Number of ranks.")
+@click.option("--fabric", type=click.Path(exists=True, dir_okay=False), help="Fabric file.")
+@click.option("--name", default="mrc", show_default=True, help="Name of the running fabric.")
+@click.option("--hosts", help="Fabric host of each rank, comma-separated (default h0..).")
+@click.option("--timeout", type=float, help="Communicator timeout, seconds (MRC_TIMEOUT).")
+@click.option("--planes", help="MRC_PLANES for every rank (a loopback plane count).")
+@click.option("--time-limit", type=float, default=0, help="Stop every rank after S seconds.")
+@click.option(
+    "--settle",
+    type=float,
+    default=SETTLE_S,
+    show_default=True,
+    help="After a failure, seconds the others get to end by themselves before SIGTERM.",
+)
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+def main(
+    n: int,
+    fabric: str | None,
+    name: str,
+    hosts: str | None,
+    timeout: float | None,
+    planes: str | None,
+    time_limit: float,
+    settle: float,
+    cmd: tuple[str, ...],
+) -> None:
+    """Start N ranks of CMD with the environment mrc.Communicator.from_env() reads."""
+    host_list = [h.strip() for h in hosts.split(",") if h.strip()] if hosts else None
+    try:
+        ranks = plan(n, cmd, fabric, name, host_list, timeout, planes)
+    except MrcError as e:
+        raise click.ClickException(str(e)) from None
+    sys.exit(Launcher(ranks, time_limit=time_limit, settle=settle).run())
+
+
+if __name__ == "__main__":
+    main()

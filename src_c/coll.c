@@ -1,0 +1,847 @@
+/*
+ * coll.c - the one collective executor: runs any rank's schedule (mrc.h,
+ * "collectives: the schedule executor") to completion on the caller's thread.
+ *
+ * Every step covers a byte range and is cut into chunks of chunk_bytes; a
+ * chunk runs once the same chunk of each step it depends on is done (or the
+ * whole dependency, when chunk counts differ), so receiving chunk i+1 overlaps
+ * reducing chunk i and forwarding chunk i-1. Transfers go through the public
+ * API only: mrc_post() onto the executor's own completion queue, whose ctx is
+ * (step << 32 | chunk). REDUCE and COPY chunks run here, between waits, in the
+ * schedule's source order: the result never depends on arrival order.
+ *
+ * Matching: the messages of one direction of a pair are posted in one order
+ * on both sides (chunks by chunk index + step lag, then pair_seq), and received with
+ * MRC_TAG_ANY, so the n-th RECV takes the n-th SEND whatever its tag; the
+ * tag then says whether the sender ran the same call (signature), the same
+ * collective (the pair's sequence number) and the same step and chunk. A
+ * difference, or a length that differs, is MRC_EMISMATCH, not a hang.
+ *
+ * Scratch rings: slot i % slots of a ring holds chunk i of its producer; the
+ * producer's chunk i waits until every step reading the ring is done with
+ * chunk i - slots. Extra memory: nrings * slots * chunk_bytes.
+ */
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "mrc.h"
+
+#define DEFAULT_CHUNK (256u << 10)
+#define DEFAULT_SLOTS 4
+#define WAIT_SLICE_MS 10 /* how often a waiting run looks at the abort flag */
+#define WC_BATCH 64
+/* Calls whose buffers fit go through a region registered once: registering
+ * the caller's buffers costs four round trips to the progress thread, which
+ * is most of a small collective's latency. */
+#define BOUNCE_BYTES (256u << 10)
+
+struct mrc_coll {
+    mrc_ep *ep;
+    mrc_cq *cq;
+    int rank, nranks;
+    mrc_conn **peers;
+    uint32_t *seq;          /* collectives run with each peer (tag field) */
+    uint64_t chunk;
+    int slots, window;
+    atomic_int aborted;
+    uint8_t *scratch;       /* rings, registered as scratch_mr */
+    uint64_t scratch_len;
+    mrc_mr *scratch_mr;
+    uint8_t *tmp;           /* one chunk: REDUCE whose destination is also a source */
+    /* left by a failed run until mrc_coll_drain */
+    int pending;            /* posted operations not yet completed */
+    mrc_mr *user_mr[2];     /* regions of the send and recv buffers */
+    uint64_t mr_base[2];    /* where each buffer starts in its region */
+    bool bounced;           /* this run's buffers are copies in bounce */
+    uint8_t *bounce;        /* BOUNCE_BYTES, registered as bounce_mr */
+    mrc_mr *bounce_mr;
+};
+
+/* Per run: state of each step. */
+struct step_rt {
+    uint32_t nchunks, next, ndone, inflight;
+    uint8_t *done;          /* per chunk */
+    int ring;               /* scratch ring this step produces, or -1 */
+};
+
+struct ring_rt {
+    int producer;
+    uint32_t nconsumers;
+    uint32_t *consumers;
+};
+
+struct run {
+    mrc_coll *c;
+    const struct mrc_coll_plan *p;
+    const struct mrc_coll_args *a;
+    struct step_rt *st;
+    struct ring_rt *rings;
+    uint32_t *consumer_pool;
+    uint8_t *done_pool;
+    /* per peer and direction (0 send, 1 recv): its steps in pair_seq order */
+    uint32_t **list;
+    uint32_t *nlist, *inflight;
+    uint8_t *bufs[2];
+    uint64_t buf_len[2];
+    size_t esize;
+    uint32_t steps_done;
+    int rc, failed_peer;
+};
+
+static uint64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* Bit 63 stays clear, so no tag is MRC_TAG_ANY. */
+static uint64_t make_tag(uint32_t sig, uint32_t seq, uint32_t pair_seq, uint32_t chunk)
+{
+    return ((uint64_t)(sig & 0x7ffffu) << 44) | ((uint64_t)(seq & 0xfffu) << 32) |
+           ((uint64_t)(pair_seq & 0xffu) << 24) | (chunk & 0xffffffu);
+}
+
+/* ---- life cycle ---------------------------------------------------------- */
+
+int mrc_coll_create(mrc_ep *ep, const struct mrc_coll_config *cfg, mrc_coll **out)
+{
+    if (!ep || !cfg || !out || cfg->nranks < 1 || cfg->rank < 0 || cfg->rank >= cfg->nranks ||
+        (cfg->nranks > 1 && !cfg->peers) || cfg->chunk_bytes % 8 || cfg->slots < 0 ||
+        cfg->window < 0)
+        return MRC_EUSAGE;
+    for (int r = 0; r < cfg->nranks && cfg->nranks > 1; r++)
+        if ((r == cfg->rank) != (cfg->peers[r] == NULL))
+            return MRC_EUSAGE;
+    mrc_coll *c = calloc(1, sizeof(*c));
+    if (!c)
+        return -ENOMEM;
+    c->ep = ep;
+    c->rank = cfg->rank;
+    c->nranks = cfg->nranks;
+    c->chunk = cfg->chunk_bytes ? cfg->chunk_bytes : DEFAULT_CHUNK;
+    c->slots = cfg->slots ? cfg->slots : DEFAULT_SLOTS;
+    c->window = cfg->window ? cfg->window : c->slots;
+    atomic_init(&c->aborted, 0);
+    c->peers = calloc((size_t)c->nranks, sizeof(*c->peers));
+    c->seq = calloc((size_t)c->nranks, sizeof(*c->seq));
+    c->tmp = malloc(c->chunk);
+    int rc = -ENOMEM;
+    if (!c->peers || !c->seq || !c->tmp)
+        goto free_c;
+    if (cfg->nranks > 1)
+        memcpy(c->peers, cfg->peers, (size_t)c->nranks * sizeof(*c->peers));
+    rc = mrc_cq_create(ep, &c->cq);
+    if (rc)
+        goto free_c;
+    *out = c;
+    return 0;
+free_c:
+    free(c->tmp);
+    free(c->seq);
+    free(c->peers);
+    free(c);
+    return rc;
+}
+
+void mrc_coll_abort(mrc_coll *c) { atomic_store(&c->aborted, 1); }
+
+uint64_t mrc_coll_scratch_bytes(const mrc_coll *c) { return c->scratch_len; }
+
+static void release_user_mrs(mrc_coll *c)
+{
+    if (c->bounced) {
+        c->bounced = false;
+        c->user_mr[0] = c->user_mr[1] = NULL;
+        return;
+    }
+    if (c->user_mr[1] && c->user_mr[1] != c->user_mr[0])
+        mrc_mr_dereg(c->user_mr[1]);
+    if (c->user_mr[0])
+        mrc_mr_dereg(c->user_mr[0]);
+    c->user_mr[0] = c->user_mr[1] = NULL;
+}
+
+void mrc_coll_destroy(mrc_coll *c)
+{
+    if (!c)
+        return;
+    /* Operations still pending (a failed run nobody drained) reference the
+     * regions: leave them to mrc_ep_destroy rather than free them under it. */
+    if (!c->pending) {
+        release_user_mrs(c);
+        if (c->scratch_mr)
+            mrc_mr_dereg(c->scratch_mr);
+        free(c->scratch);
+        if (c->bounce_mr)
+            mrc_mr_dereg(c->bounce_mr);
+        free(c->bounce);
+        mrc_cq_destroy(c->cq);
+    }
+    free(c->tmp);
+    free(c->seq);
+    free(c->peers);
+    free(c);
+}
+
+/* Grows the scratch rings to `len` bytes (never shrinks: the next call of the
+ * same size reuses them without registering again). */
+static int scratch_reserve(mrc_coll *c, uint64_t len)
+{
+    if (len <= c->scratch_len)
+        return 0;
+    if (c->scratch_mr)
+        mrc_mr_dereg(c->scratch_mr);
+    free(c->scratch);
+    c->scratch_mr = NULL;
+    c->scratch_len = 0;
+    c->scratch = aligned_alloc(64, (len + 63) & ~(uint64_t)63);
+    if (!c->scratch)
+        return -ENOMEM;
+    int rc = mrc_mr_reg(c->ep, c->scratch, len, 0, &c->scratch_mr);
+    if (rc) {
+        free(c->scratch);
+        c->scratch = NULL;
+        return rc;
+    }
+    c->scratch_len = len;
+    return 0;
+}
+
+/* ---- plan checks --------------------------------------------------------- */
+
+static uint32_t nchunks_of(const mrc_coll *c, uint64_t len)
+{
+    return len ? (uint32_t)((len + c->chunk - 1) / c->chunk) : 1; /* empty: one 0-byte message */
+}
+
+static int check_ref(const struct run *r, uint32_t i, uint64_t len)
+{
+    if (i >= r->p->nrefs)
+        return MRC_EUSAGE;
+    const struct mrc_coll_ref *f = &r->p->refs[i];
+    if (f->buf == MRC_BUF_SCRATCH)
+        return f->off < r->p->nrings ? 0 : MRC_EUSAGE;
+    if (f->buf > MRC_BUF_RECV)
+        return MRC_EUSAGE;
+    uint64_t blen = r->buf_len[f->buf];
+    return f->off <= blen && len <= blen - f->off ? 0 : MRC_EUSAGE;
+}
+
+/* Everything the run relies on: refs inside their buffers, dependencies on
+ * earlier steps, one producer per ring whose readers depend on it with the
+ * same chunking, pair_seq 0, 1, ... per peer and direction. */
+static int check_plan(struct run *r)
+{
+    const struct mrc_coll_plan *p = r->p;
+    mrc_coll *c = r->c;
+    for (uint32_t s = 0; s < p->nsteps; s++) {
+        const struct mrc_coll_step *t = &p->steps[s];
+        if (t->len % r->esize || t->dep > p->ndeps || t->ndeps > p->ndeps - t->dep)
+            return MRC_EUSAGE;
+        for (uint32_t d = 0; d < t->ndeps; d++)
+            if (p->deps[t->dep + d] >= s)
+                return MRC_EUSAGE;
+        bool xfer = t->kind == MRC_STEP_SEND || t->kind == MRC_STEP_RECV;
+        if (xfer && (t->peer < 0 || t->peer >= c->nranks || t->peer == c->rank))
+            return MRC_EUSAGE;
+        switch (t->kind) {
+        case MRC_STEP_SEND:
+            if (t->nsrc != 1 || check_ref(r, t->src, t->len))
+                return MRC_EUSAGE;
+            break;
+        case MRC_STEP_RECV:
+            if (check_ref(r, t->dst, t->len))
+                return MRC_EUSAGE;
+            break;
+        case MRC_STEP_REDUCE:
+        case MRC_STEP_COPY:
+            if (t->nsrc < 1 || (t->kind == MRC_STEP_COPY && t->nsrc != 1) ||
+                t->src > p->nrefs || t->nsrc > p->nrefs - t->src || check_ref(r, t->dst, t->len))
+                return MRC_EUSAGE;
+            for (uint32_t k = 0; k < t->nsrc; k++)
+                if (check_ref(r, t->src + k, t->len))
+                    return MRC_EUSAGE;
+            break;
+        default:
+            return MRC_EUSAGE;
+        }
+        if (t->kind != MRC_STEP_SEND && p->refs[t->dst].buf == MRC_BUF_SCRATCH) {
+            uint32_t k = (uint32_t)p->refs[t->dst].off;
+            if (r->rings[k].producer >= 0)
+                return MRC_EUSAGE;
+            r->rings[k].producer = (int)s;
+            r->st[s].ring = (int)k;
+        }
+    }
+    return 0;
+}
+
+/* Consumers of each ring; each must depend on the producer, chunk for chunk. */
+static int link_rings(struct run *r)
+{
+    const struct mrc_coll_plan *p = r->p;
+    uint32_t total = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (uint32_t s = 0; s < p->nsteps; s++) {
+            const struct mrc_coll_step *t = &p->steps[s];
+            if (t->kind == MRC_STEP_RECV)
+                continue;
+            for (uint32_t k = 0; k < t->nsrc; k++) {
+                const struct mrc_coll_ref *f = &p->refs[t->src + k];
+                if (f->buf != MRC_BUF_SCRATCH)
+                    continue;
+                struct ring_rt *g = &r->rings[f->off];
+                if (pass == 0) {
+                    total++;
+                    continue;
+                }
+                if (g->producer < 0 || r->st[g->producer].nchunks != r->st[s].nchunks)
+                    return MRC_EUSAGE;
+                bool dep = false;
+                for (uint32_t d = 0; d < t->ndeps; d++)
+                    dep |= p->deps[t->dep + d] == (uint32_t)g->producer;
+                if (!dep)
+                    return MRC_EUSAGE;
+                g->consumers[g->nconsumers++] = s;
+            }
+        }
+        if (pass == 0) {
+            r->consumer_pool = calloc(total ? total : 1, sizeof(uint32_t));
+            if (!r->consumer_pool)
+                return -ENOMEM;
+            /* Slice the pool: count per ring first. */
+            uint32_t *cnt = calloc(p->nrings ? p->nrings : 1, sizeof(uint32_t));
+            if (!cnt)
+                return -ENOMEM;
+            for (uint32_t s = 0; s < p->nsteps; s++) {
+                const struct mrc_coll_step *t = &p->steps[s];
+                if (t->kind == MRC_STEP_RECV)
+                    continue;
+                for (uint32_t k = 0; k < t->nsrc; k++)
+                    if (p->refs[t->src + k].buf == MRC_BUF_SCRATCH)
+                        cnt[p->refs[t->src + k].off]++;
+            }
+            uint32_t at = 0;
+            for (uint32_t g = 0; g < p->nrings; g++) {
+                r->rings[g].consumers = r->consumer_pool + at;
+                at += cnt[g];
+            }
+            free(cnt);
+        }
+    }
+    return 0;
+}
+
+/* Per peer and direction, the transfer steps in plan order, which must be
+ * pair_seq order. */
+static int build_lists(struct run *r)
+{
+    const struct mrc_coll_plan *p = r->p;
+    for (uint32_t s = 0; s < p->nsteps; s++) {
+        const struct mrc_coll_step *t = &p->steps[s];
+        if (t->kind != MRC_STEP_SEND && t->kind != MRC_STEP_RECV)
+            continue;
+        int q = t->peer * 2 + (t->kind == MRC_STEP_RECV);
+        if (t->pair_seq != r->nlist[q])
+            return MRC_EUSAGE;
+        r->list[q][r->nlist[q]++] = s;
+    }
+    return 0;
+}
+
+/* ---- chunk addressing ---------------------------------------------------- */
+
+static uint64_t chunk_len(const struct run *r, const struct mrc_coll_step *t, uint32_t i)
+{
+    uint64_t off = (uint64_t)i * r->c->chunk;
+    uint64_t left = t->len - (off < t->len ? off : t->len);
+    return left < r->c->chunk ? left : r->c->chunk;
+}
+
+/* Address, region and region offset of chunk i of a step through ref f. */
+static uint8_t *ref_chunk(const struct run *r, const struct mrc_coll_ref *f, uint32_t i,
+                          mrc_mr **mr, uint64_t *loff)
+{
+    mrc_coll *c = r->c;
+    uint64_t off;
+    if (f->buf == MRC_BUF_SCRATCH) {
+        off = (f->off * (uint64_t)c->slots + i % (uint32_t)c->slots) * c->chunk;
+        if (mr)
+            *mr = c->scratch_mr, *loff = off;
+        return c->scratch + off;
+    }
+    off = f->off + (uint64_t)i * c->chunk;
+    if (mr)
+        *mr = c->user_mr[f->buf], *loff = c->mr_base[f->buf] + off;
+    return r->bufs[f->buf] ? r->bufs[f->buf] + off : NULL;
+}
+
+/* ---- readiness ----------------------------------------------------------- */
+
+static bool dep_done(const struct run *r, uint32_t d, uint32_t s, uint32_t i)
+{
+    const struct step_rt *sd = &r->st[d];
+    if (sd->nchunks == r->st[s].nchunks)
+        return sd->done[i];
+    return sd->ndone == sd->nchunks;
+}
+
+static bool ready(const struct run *r, uint32_t s, uint32_t i)
+{
+    const struct mrc_coll_step *t = &r->p->steps[s];
+    for (uint32_t d = 0; d < t->ndeps; d++)
+        if (!dep_done(r, r->p->deps[t->dep + d], s, i))
+            return false;
+    int g = r->st[s].ring;
+    if (g >= 0 && i >= (uint32_t)r->c->slots) {
+        const struct ring_rt *ring = &r->rings[g];
+        for (uint32_t k = 0; k < ring->nconsumers; k++)
+            if (!r->st[ring->consumers[k]].done[i - (uint32_t)r->c->slots])
+                return false;
+    }
+    return true;
+}
+
+static void mark_done(struct run *r, uint32_t s, uint32_t i)
+{
+    struct step_rt *st = &r->st[s];
+    st->done[i] = 1;
+    if (++st->ndone == st->nchunks)
+        r->steps_done++;
+}
+
+/* ---- local steps ------------------------------------------------------------ */
+
+static bool overlaps(const uint8_t *a, const uint8_t *b, uint64_t n)
+{
+    return n && a < b + n && b < a + n;
+}
+
+/* dst = srcs[0] op srcs[1] op ... in that order, then AVG's division. When the
+ * destination is also a later source (in place, owner > 0), the sum is built
+ * in tmp first so that no source is overwritten before it is read. */
+static int run_reduce(struct run *r, const struct mrc_coll_step *t, uint32_t i)
+{
+    uint64_t len = chunk_len(r, t, i);
+    if (!len)
+        return 0;
+    size_t count = len / r->esize;
+    uint8_t *dst = ref_chunk(r, &r->p->refs[t->dst], i, NULL, NULL);
+    const uint8_t *s0 = ref_chunk(r, &r->p->refs[t->src], i, NULL, NULL);
+    bool alias = dst != s0 && overlaps(dst, s0, len);
+    for (uint32_t k = 1; k < t->nsrc && !alias; k++)
+        alias = overlaps(dst, ref_chunk(r, &r->p->refs[t->src + k], i, NULL, NULL), len);
+    uint8_t *acc = alias ? r->c->tmp : dst;
+    if (acc != s0)
+        memcpy(acc, s0, len);
+    int rc = 0;
+    for (uint32_t k = 1; k < t->nsrc && !rc; k++)
+        rc = mrc_reduce(acc, ref_chunk(r, &r->p->refs[t->src + k], i, NULL, NULL), count,
+                        r->a->dtype, r->a->op);
+    if (!rc && (t->flags & MRC_STEP_FINISH))
+        rc = mrc_reduce_finish(acc, count, r->a->dtype, r->a->op, r->c->nranks);
+    if (alias)
+        memcpy(dst, acc, len);
+    return rc;
+}
+
+static int run_local(struct run *r, uint32_t s, uint32_t i)
+{
+    const struct mrc_coll_step *t = &r->p->steps[s];
+    if (t->kind == MRC_STEP_REDUCE)
+        return run_reduce(r, t, i);
+    uint64_t len = chunk_len(r, t, i);
+    uint8_t *dst = ref_chunk(r, &r->p->refs[t->dst], i, NULL, NULL);
+    const uint8_t *src = ref_chunk(r, &r->p->refs[t->src], i, NULL, NULL);
+    if (len && dst != src)
+        memmove(dst, src, len);
+    return 0;
+}
+
+/* ---- posting ------------------------------------------------------------- */
+
+static int post_chunk(struct run *r, uint32_t s, uint32_t i)
+{
+    const struct mrc_coll_step *t = &r->p->steps[s];
+    mrc_coll *c = r->c;
+    struct mrc_wr wr = {.cq = c->cq, .ctx = ((uint64_t)s << 32) | i, .len = chunk_len(r, t, i)};
+    if (t->kind == MRC_STEP_SEND) {
+        wr.kind = MRC_OP_SEND;
+        ref_chunk(r, &r->p->refs[t->src], i, &wr.mr, &wr.loff);
+        wr.tag = make_tag(r->a->sig, c->seq[t->peer], t->pair_seq, i);
+    } else {
+        wr.kind = MRC_OP_RECV;
+        ref_chunk(r, &r->p->refs[t->dst], i, &wr.mr, &wr.loff);
+        wr.tag = MRC_TAG_ANY;
+    }
+    if (!wr.len)
+        wr.loff = 0; /* an empty chunk may sit at the end of its buffer */
+    int rc = mrc_post(c->peers[t->peer], &wr, NULL);
+    if (rc)
+        return rc;
+    c->pending++;
+    return 0;
+}
+
+/* The step whose next chunk is the next message of queue q (a peer and
+ * direction): chunk i of a step is message key i + lag, ties to the lower
+ * pair_seq; both ends compute the same order from the same steps. Lag lets a
+ * later phase interleave with an earlier one (all-gather chunk i after
+ * reduce-scatter chunk i + lag) instead of waiting for all of it, so its
+ * RECVs are posted before its data arrives and nothing is staged. Every
+ * message depends only on messages of lower keys, so the order cannot
+ * deadlock. */
+static int next_message(const struct run *r, int q)
+{
+    int best = -1;
+    uint64_t best_key = UINT64_MAX;
+    for (uint32_t k = 0; k < r->nlist[q]; k++) {
+        uint32_t s = r->list[q][k];
+        const struct step_rt *st = &r->st[s];
+        if (st->next >= st->nchunks)
+            continue;
+        uint64_t key = (uint64_t)st->next + r->p->steps[s].lag;
+        if (key < best_key) {
+            best_key = key;
+            best = (int)s;
+        }
+    }
+    return best;
+}
+
+/* Starts every chunk that can start: local steps run now, transfers are
+ * posted in pair order up to the window. Returns how many started, or an
+ * error (r->rc set). */
+static int issue(struct run *r)
+{
+    const struct mrc_coll_plan *p = r->p;
+    int started = 0;
+    for (uint32_t s = 0; s < p->nsteps; s++) {
+        const struct mrc_coll_step *t = &p->steps[s];
+        struct step_rt *st = &r->st[s];
+        if (t->kind != MRC_STEP_REDUCE && t->kind != MRC_STEP_COPY)
+            continue;
+        while (st->next < st->nchunks && ready(r, s, st->next)) {
+            int rc = run_local(r, s, st->next);
+            if (rc) {
+                r->rc = rc;
+                return rc;
+            }
+            mark_done(r, s, st->next++);
+            started++;
+        }
+    }
+    for (int q = 0; q < 2 * r->c->nranks; q++) {
+        while ((int)r->inflight[q] < r->c->window) {
+            int sn = next_message(r, q);
+            if (sn < 0)
+                break;
+            uint32_t s = (uint32_t)sn;
+            struct step_rt *st = &r->st[s];
+            if (!ready(r, s, st->next))
+                break;
+            int rc = post_chunk(r, s, st->next);
+            if (rc) {
+                r->rc = rc;
+                r->failed_peer = q / 2;
+                return rc;
+            }
+            st->next++;
+            st->inflight++;
+            r->inflight[q]++;
+            started++;
+        }
+    }
+    return started;
+}
+
+/* ---- completions --------------------------------------------------------- */
+
+static void complete(struct run *r, const struct mrc_wc *wc)
+{
+    mrc_coll *c = r->c;
+    c->pending--;
+    uint32_t s = (uint32_t)(wc->ctx >> 32), i = (uint32_t)wc->ctx;
+    if (!r->p || s >= r->p->nsteps)
+        return; /* draining after a failure: only the count matters */
+    const struct mrc_coll_step *t = &r->p->steps[s];
+    int q = t->peer * 2 + (t->kind == MRC_STEP_RECV);
+    r->inflight[q]--;
+    r->st[s].inflight--;
+    if (r->rc)
+        return;
+    int rc = wc->status;
+    if (rc == MRC_ETRUNC)
+        rc = MRC_EMISMATCH; /* the peer sent more than this rank expects */
+    if (!rc && t->kind == MRC_STEP_RECV &&
+        (wc->tag != make_tag(r->a->sig, c->seq[t->peer], t->pair_seq, i) ||
+         wc->bytes != chunk_len(r, t, i)))
+        rc = MRC_EMISMATCH;
+    if (rc) {
+        r->rc = rc;
+        r->failed_peer = t->peer;
+        return;
+    }
+    mark_done(r, s, i);
+}
+
+/* The peer to blame when nothing moved for the timeout: one that has not
+ * acknowledged this rank's data (a live peer acknowledges even what it is not
+ * ready for), else one whose posted RECVs got nothing (a full scratch ring
+ * posts none, so a peer merely slowed by another one is not named), else the
+ * first one this rank still expects a message from. */
+static int waited_peer(const struct run *r)
+{
+    static const uint32_t order[3] = {MRC_STEP_SEND, MRC_STEP_RECV, 0};
+    for (int pass = 0; pass < 3; pass++)
+        for (uint32_t s = 0; s < r->p->nsteps; s++) {
+            const struct mrc_coll_step *t = &r->p->steps[s];
+            if (pass < 2 && t->kind == order[pass] && r->st[s].inflight)
+                return t->peer;
+            if (pass == 2 && t->kind == MRC_STEP_RECV && r->st[s].ndone < r->st[s].nchunks)
+                return t->peer;
+        }
+    return -1;
+}
+
+/* Waits up to ms for completions and handles them: >0 handled, 0 none. */
+static int reap(struct run *r, int ms)
+{
+    struct mrc_wc wc[WC_BATCH];
+    int n = mrc_cq_poll(r->c->cq, wc, WC_BATCH);
+    if (n == 0 && ms)
+        n = mrc_cq_wait(r->c->cq, wc, WC_BATCH, ms);
+    if (n == -ETIMEDOUT)
+        return 0;
+    if (n < 0) {
+        if (!r->rc)
+            r->rc = n;
+        return n;
+    }
+    for (int k = 0; k < n; k++)
+        complete(r, &wc[k]);
+    return n;
+}
+
+static int main_loop(struct run *r)
+{
+    mrc_coll *c = r->c;
+    uint64_t last = now_ms();
+    while (!r->rc && r->steps_done < r->p->nsteps) {
+        if (atomic_load(&c->aborted)) {
+            r->rc = MRC_EABORT;
+            break;
+        }
+        int started;
+        while ((started = issue(r)) > 0)
+            last = now_ms();
+        if (started < 0 || r->steps_done == r->p->nsteps)
+            break;
+        int got = reap(r, WAIT_SLICE_MS);
+        if (got < 0)
+            break;
+        if (got > 0) {
+            last = now_ms();
+        } else if (r->a->timeout_ms >= 0 && now_ms() - last > (uint64_t)r->a->timeout_ms) {
+            r->rc = MRC_ETIMEOUT;
+            r->failed_peer = waited_peer(r);
+        }
+    }
+    return r->rc;
+}
+
+/* After a mismatch, let this rank's own SENDs reach their peers (bounded by
+ * the timeout), so that every rank sees the mismatch itself rather than a
+ * connection closed under it. */
+static void flush_sends(struct run *r)
+{
+    uint64_t until = now_ms() + (uint64_t)(r->a->timeout_ms > 0 ? r->a->timeout_ms : 1000);
+    for (;;) {
+        bool sending = false;
+        for (int q = 0; q < 2 * r->c->nranks; q += 2)
+            sending |= r->inflight[q] > 0;
+        if (!sending || now_ms() > until || atomic_load(&r->c->aborted))
+            return;
+        if (reap(r, WAIT_SLICE_MS) < 0)
+            return;
+    }
+}
+
+/* ---- the run ------------------------------------------------------------- */
+
+static int run_alloc(struct run *r)
+{
+    const struct mrc_coll_plan *p = r->p;
+    int nq = 2 * r->c->nranks;
+    r->st = calloc(p->nsteps ? p->nsteps : 1, sizeof(*r->st));
+    r->rings = calloc(p->nrings ? p->nrings : 1, sizeof(*r->rings));
+    r->list = calloc((size_t)nq, sizeof(*r->list));
+    r->nlist = calloc((size_t)nq, sizeof(uint32_t));
+    r->inflight = calloc((size_t)nq, sizeof(uint32_t));
+    if (!r->st || !r->rings || !r->list || !r->nlist || !r->inflight)
+        return -ENOMEM;
+    for (int q = 0; q < nq; q++)
+        if (!(r->list[q] = calloc(p->nsteps ? p->nsteps : 1, sizeof(uint32_t))))
+            return -ENOMEM;
+    for (uint32_t g = 0; g < p->nrings; g++)
+        r->rings[g].producer = -1;
+    uint64_t total = 0;
+    for (uint32_t s = 0; s < p->nsteps; s++) {
+        r->st[s].nchunks = nchunks_of(r->c, p->steps[s].len);
+        r->st[s].ring = -1;
+        total += r->st[s].nchunks;
+    }
+    r->done_pool = calloc(total ? total : 1, 1);
+    if (!r->done_pool)
+        return -ENOMEM;
+    uint64_t at = 0;
+    for (uint32_t s = 0; s < p->nsteps; s++) {
+        r->st[s].done = r->done_pool + at;
+        at += r->st[s].nchunks;
+    }
+    return 0;
+}
+
+static void run_free(struct run *r)
+{
+    if (r->list)
+        for (int q = 0; q < 2 * r->c->nranks; q++)
+            free(r->list[q]);
+    free(r->list);
+    free(r->nlist);
+    free(r->inflight);
+    free(r->st);
+    free(r->rings);
+    free(r->consumer_pool);
+    free(r->done_pool);
+}
+
+/* Small calls: copies of the buffers in the bounce region (recv too, so that
+ * bytes the schedule does not write come back unchanged). */
+static int bounce_in(mrc_coll *c, struct run *r, const struct mrc_coll_args *a)
+{
+    bool same = a->recv == a->send && a->recv_len == a->send_len;
+    uint64_t roff = same ? 0 : (a->send_len + 63) & ~(uint64_t)63;
+    if (roff + (same ? a->send_len : a->recv_len) > BOUNCE_BYTES)
+        return 1;
+    if (!c->bounce) {
+        c->bounce = aligned_alloc(64, BOUNCE_BYTES);
+        if (!c->bounce)
+            return -ENOMEM;
+        int rc = mrc_mr_reg(c->ep, c->bounce, BOUNCE_BYTES, 0, &c->bounce_mr);
+        if (rc) {
+            free(c->bounce);
+            c->bounce = NULL;
+            return rc;
+        }
+    }
+    if (a->send_len)
+        memcpy(c->bounce, a->send, a->send_len);
+    if (!same && a->recv_len)
+        memcpy(c->bounce + roff, a->recv, a->recv_len);
+    r->bufs[0] = c->bounce;
+    r->bufs[1] = c->bounce + roff;
+    c->user_mr[0] = c->user_mr[1] = c->bounce_mr;
+    c->mr_base[0] = 0;
+    c->mr_base[1] = roff;
+    c->bounced = true;
+    return 0;
+}
+
+static int register_user(mrc_coll *c, struct run *r, const struct mrc_coll_args *a)
+{
+    int rc = bounce_in(c, r, a);
+    if (rc <= 0)
+        return rc;
+    c->mr_base[0] = c->mr_base[1] = 0;
+    rc = mrc_mr_reg(c->ep, a->send, a->send_len, 0, &c->user_mr[0]);
+    if (rc)
+        return rc;
+    if (a->recv == a->send && a->recv_len == a->send_len) {
+        c->user_mr[1] = c->user_mr[0];
+        return 0;
+    }
+    rc = mrc_mr_reg(c->ep, a->recv, a->recv_len, 0, &c->user_mr[1]);
+    if (rc) {
+        mrc_mr_dereg(c->user_mr[0]);
+        c->user_mr[0] = NULL;
+    }
+    return rc;
+}
+
+int mrc_coll_run(mrc_coll *c, const struct mrc_coll_plan *p, const struct mrc_coll_args *a,
+                 int *failed_peer)
+{
+    int dummy;
+    failed_peer = failed_peer ? failed_peer : &dummy;
+    *failed_peer = -1;
+    if (!c || !p || !a || (p->nsteps && !p->steps) || (p->nrefs && !p->refs) ||
+        (p->ndeps && !p->deps) || (a->send_len && !a->send) || (a->recv_len && !a->recv))
+        return MRC_EUSAGE;
+    if (c->pending)
+        return MRC_EBUSY; /* a failed run was not drained */
+    if (atomic_load(&c->aborted))
+        return MRC_EABORT;
+    struct run r = {.c = c, .p = p, .a = a, .failed_peer = -1};
+    r.esize = mrc_dtype_size(a->dtype);
+    if (!r.esize || a->op < 0 || a->op >= MRC_NREDOPS)
+        return MRC_EUSAGE;
+    r.bufs[0] = a->send;
+    r.bufs[1] = a->recv;
+    r.buf_len[0] = a->send_len;
+    r.buf_len[1] = a->recv_len;
+    int rc = run_alloc(&r);
+    if (!rc)
+        rc = check_plan(&r);
+    if (!rc)
+        rc = link_rings(&r);
+    if (!rc)
+        rc = build_lists(&r);
+    if (!rc)
+        rc = scratch_reserve(c, (uint64_t)p->nrings * (uint64_t)c->slots * c->chunk);
+    if (!rc)
+        rc = register_user(c, &r, a);
+    if (rc) {
+        run_free(&r);
+        return rc;
+    }
+    rc = main_loop(&r);
+    if (rc == MRC_EMISMATCH)
+        flush_sends(&r);
+    *failed_peer = r.failed_peer;
+    if (!rc && c->bounced && a->recv_len)
+        memcpy(a->recv, r.bufs[1], a->recv_len);
+    if (!rc) {
+        for (int peer = 0; peer < c->nranks; peer++)
+            if (r.nlist[2 * peer] || r.nlist[2 * peer + 1])
+                c->seq[peer]++;
+    }
+    run_free(&r);
+    if (!c->pending)
+        release_user_mrs(c);
+    return rc;
+}
+
+int mrc_coll_drain(mrc_coll *c, int timeout_ms)
+{
+    struct run r = {.c = c};
+    uint64_t until = now_ms() + (uint64_t)(timeout_ms < 0 ? 0 : timeout_ms);
+    while (c->pending) {
+        if (timeout_ms >= 0 && now_ms() > until)
+            return -ETIMEDOUT;
+        int n = reap(&r, WAIT_SLICE_MS);
+        if (n < 0 && n != MRC_ECLOSED)
+            return n;
+        if (n == MRC_ECLOSED)
+            break; /* the endpoint is going: it completes and frees them itself */
+    }
+    if (!c->pending)
+        release_user_mrs(c);
+    return c->pending ? MRC_EBUSY : 0;
+}

@@ -1,0 +1,382 @@
+"""Collectives end to end: in-process ranks (one endpoint and thread each,
+every pair connected on loopback planes) run the C executor; results are
+compared bit for bit with numpy reductions in rank order."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from coll_helpers import mesh, ok, run_ranks
+
+from mrc import _datapath
+from mrc.collectives import ops as O
+from mrc.collectives import simulate as M
+from mrc.errors import CollectiveError, UsageError
+
+DTYPES = list(O.DTYPES)
+OPS = list(O.OPS)
+
+
+def data(dtype: str, count: int, seed: int, op: str = "sum") -> np.ndarray:
+    """Values that keep every op finite: small integers for prod, floats with
+    many mantissa bits so that the order of additions shows in the bits."""
+    rng = np.random.default_rng(seed)
+    if dtype in ("int8", "uint8", "int32", "int64"):
+        info = np.iinfo(dtype)
+        lo, hi = (-3, 4) if op == "prod" else (max(info.min, -1000), min(info.max, 1000))
+        if dtype == "uint8":
+            lo = 0
+        return rng.integers(lo, hi, count).astype(dtype)
+    x = rng.standard_normal(count) * (1.0 if op == "prod" else 100.0)
+    if op == "prod":
+        x = 1.0 + x / 10.0
+    if dtype == "bfloat16":
+        return M.f32_to_bf16(x.astype(np.float32))
+    return x.astype(dtype)
+
+
+def bits(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a).tobytes()
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4, 5])
+def ranks(request):
+    with mesh(request.param) as rs:
+        yield rs
+
+
+# ---- the C kernels from Python, against numpy ------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_kernels_match_numpy(dtype: str, op: str) -> None:
+    srcs = [data(dtype, 513, s, op) for s in range(3)]
+    if dtype == "float16":  # subnormals and values that round
+        srcs[1][:4] = np.array([6e-8, -6e-8, 1e-5, 65504], np.float16)
+    acc = srcs[0].copy()
+    for s in srcs[1:]:
+        _datapath.reduce_into(acc, s, O.DTYPES[dtype], O.OPS[op])
+    _datapath.reduce_finish(acc, O.DTYPES[dtype], O.OPS[op], 3)
+    assert bits(acc) == bits(M.reference(srcs, dtype, op))
+
+
+# ---- every collective x op x dtype ------------------------------------------
+
+
+@pytest.mark.parametrize("algo", ["direct", "gather"])
+def test_all_reduce_every_op_and_dtype(ranks, algo: str) -> None:
+    n = len(ranks)
+    case = 0
+    for dtype in DTYPES:
+        for op in OPS:
+            for count in (0, 1, 7 * n + 3):
+                case += 1
+                ins = [data(dtype, count, 100 * case + r, op) for r in range(n)]
+                want = bits(M.reference(ins, dtype, op))
+                in_place = case % 2 == 0
+                dt = "bfloat16" if dtype == "bfloat16" else None
+
+                def go(rk, ins=ins, in_place=in_place, op=op, dt=dt):
+                    mine = ins[rk.rank].copy()
+                    if in_place:
+                        return rk.all_reduce(mine, op=op, dtype=dt, algo=algo)
+                    return rk.all_reduce(mine, np.empty_like(mine), op=op, dtype=dt, algo=algo)
+
+                for r, got in enumerate(ok(run_ranks(ranks, go))):
+                    assert bits(got) == want, f"{dtype} {op} count {count} rank {r}"
+
+
+def test_reduce_and_reduce_scatter(ranks) -> None:
+    n = len(ranks)
+    root = n - 1
+    case = 0
+    for dtype in DTYPES:
+        for op in OPS:
+            case += 1
+            dt = "bfloat16" if dtype == "bfloat16" else None
+            count = 3 + case % 4
+            ins = [data(dtype, count * n, 7 * case + r, op) for r in range(n)]
+            want = M.reference(ins, dtype, op)
+
+            def red(rk, ins=ins, op=op, dt=dt):
+                return rk.reduce(ins[rk.rank].copy(), op=op, root=root, dtype=dt)
+
+            def rs(rk, ins=ins, op=op, dt=dt, count=count):
+                out = np.empty(count, ins[0].dtype)
+                return rk.reduce_scatter(ins[rk.rank], out, op=op, dtype=dt)
+
+            got = ok(run_ranks(ranks, red))
+            assert bits(got[root]) == bits(want), f"reduce {dtype} {op}"
+            assert all(g is None for r, g in enumerate(got) if r != root)
+            for r, g in enumerate(ok(run_ranks(ranks, rs))):
+                assert bits(g) == bits(want[r * count : (r + 1) * count]), f"rs {dtype} {op} {r}"
+
+
+@pytest.mark.parametrize("count", [0, 1, 1000, 40000])
+def test_broadcast_all_gather_all_to_all(ranks, count: int) -> None:
+    n = len(ranks)
+    for dtype in ("int8", "float16", "float64"):
+        ins = [data(dtype, count, 11 * r + count) for r in range(n)]
+        for root in {0, n - 1}:
+            out = ok(
+                run_ranks(
+                    ranks, lambda rk, root=root, ins=ins: rk.broadcast(ins[rk.rank].copy(), root)
+                )
+            )
+            assert all(bits(o) == bits(ins[root]) for o in out)
+        gathered = bits(np.concatenate(ins))
+        out = ok(
+            run_ranks(
+                ranks,
+                lambda rk, ins=ins, dt=dtype: rk.all_gather(ins[rk.rank], np.empty(n * count, dt)),
+            )
+        )
+        assert all(bits(o) == gathered for o in out)
+    # all_to_all: equal blocks, then counts that differ per pair
+    blk = max(count // 8, 1)
+    sends = [data("int32", n * blk, r) for r in range(n)]
+    out = ok(run_ranks(ranks, lambda rk: rk.all_to_all(sends[rk.rank], np.empty(n * blk, "int32"))))
+    for r, o in enumerate(out):
+        want = np.concatenate([sends[k][r * blk : (r + 1) * blk] for k in range(n)])
+        assert bits(o) == bits(want)
+    cnt = [[(a * 3 + b + count) % 5 for b in range(n)] for a in range(n)]  # a sends cnt[a][b] to b
+    vs = [data("float32", sum(cnt[a]), 50 + a) for a in range(n)]
+
+    def a2av(rk):
+        a = rk.rank
+        rc = [cnt[k][a] for k in range(n)]
+        return rk.all_to_all(vs[a], np.empty(sum(rc), "float32"), cnt[a], rc)
+
+    for b, o in enumerate(ok(run_ranks(ranks, a2av))):
+        parts = [vs[k][sum(cnt[k][:b]) : sum(cnt[k][: b + 1])] for k in range(n)]
+        assert bits(o) == bits(np.concatenate(parts))
+
+
+def test_send_recv_barrier_and_buffer_protocol(ranks) -> None:
+    n = len(ranks)
+    msg = bytes(range(256)) * 300
+
+    def go(rk):
+        rk.barrier()
+        if rk.rank == 0:
+            for peer in range(1, n):
+                rk.send(msg, peer, tag=5)
+            return None
+        buf = bytearray(len(msg))
+        rk.recv(memoryview(buf), 0, tag=5)
+        rk.barrier()
+        return bytes(buf)
+
+    def go0(rk):
+        out = go(rk)
+        if rk.rank == 0:
+            rk.barrier()
+        return out
+
+    out = ok(run_ranks(ranks, go0))
+    assert all(o == msg for o in out[1:])
+
+
+def test_async_ops_run_in_issue_order(ranks) -> None:
+    n = len(ranks)
+    ins = [[data("float32", 3001, 10 * k + r) for r in range(n)] for k in range(4)]
+
+    def go(rk):
+        works = [rk.all_reduce(ins[k][rk.rank].copy(), async_op=True) for k in range(4)]
+        last = rk.all_reduce(ins[0][rk.rank].copy())  # sync: waits behind the async ones
+        return [w.wait(timeout=30) for w in works] + [last]
+
+    for got in ok(run_ranks(ranks, go)):
+        for k in range(4):
+            assert bits(got[k]) == bits(M.reference(ins[k], "float32", "sum"))
+        assert bits(got[4]) == bits(got[0])
+
+
+# ---- the same bits whatever the chunk size and shares ------------------------
+
+
+def test_chunk_sizes_and_shares_give_identical_bits() -> None:
+    n, count = 4, 100_003
+    ins = [data("float32", count, r) for r in range(n)]
+    want = bits(M.reference(ins, "float32", "sum"))
+    results = []
+    for chunk, slots, shares in ((0, 0, None), (4096, 2, [1, 2, 3, 4]), (1000, 3, [0, 1, 1, 2])):
+        with mesh(n, chunk_bytes=chunk, slots=slots) as rs:
+            out = ok(
+                run_ranks(rs, lambda rk, sh=shares: rk.all_reduce(ins[rk.rank].copy(), shares=sh))
+            )
+            results += [bits(o) for o in out]
+            st = rs[0].collective_stats()
+    assert all(r == want for r in results)
+    assert st["ops"] == 1 and st["by_kind"] == {"all_reduce": 1}  # the last mesh's
+    assert st["last"]["share_bounds"] == [0, 0, count // 4, count // 2, count]
+    assert st["scratch_bytes"] == 3 * 3 * 1000 and st["failure"] is None
+
+
+def test_plane_failed_mid_all_reduce_gives_identical_bits() -> None:
+    """Rank 1 loses plane 1 (fault injection: a dead cable, both directions)
+    while the all_reduce is moving data: the transport carries on over the
+    other planes and the result is bit-identical to the healthy run."""
+    n, count = 4, 4 << 20  # 16 MiB of float32
+    ins = [data("float32", count, r) for r in range(n)]
+    want = bits(M.reference(ins, "float32", "sum"))
+    with mesh(n, nplanes=4, timeout=30) as rs:
+        healthy = ok(run_ranks(rs, lambda rk: rk.all_reduce(ins[rk.rank].copy())))
+        ep = rs[1].endpoint
+        tx0 = ep.stats()["tx_bytes"]
+        works = [rk.all_reduce(ins[rk.rank].copy(), async_op=True) for rk in rs]
+        deadline = time.monotonic() + 20
+        while ep.stats()["tx_bytes"] - tx0 < 4 << 20 and time.monotonic() < deadline:
+            time.sleep(0.001)  # until a sixth of rank 1's 24 MiB has gone
+        ep.inject(1, down=True)
+        assert not works[1].done(), "the plane must fail while the all_reduce runs"
+        failed = [w.wait(timeout=60) for w in works]
+        assert any(p["plane"] == 1 and p["state"] != "good" for p in ep.stats()["paths"])
+    assert all(bits(h) == want for h in healthy)
+    assert all(bits(f) == want for f in failed)
+
+
+# ---- misuse and failures -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda rk: rk.all_reduce(np.ones(100 + (rk.rank == 1), np.float32)),  # size
+        lambda rk: rk.all_reduce(np.ones(100, np.float32 if rk.rank else np.int32)),  # dtype
+        lambda rk: rk.all_reduce(np.ones(100, np.int32), op="max" if rk.rank else "sum"),
+        lambda rk: rk.all_reduce(np.ones(9, np.int8), algo="gather" if rk.rank else "direct"),
+        lambda rk: rk.reduce(np.ones(64, np.int8), root=rk.rank % 2),  # root
+        lambda rk: rk.barrier() if rk.rank else rk.all_reduce(np.ones(8, np.int8)),  # kind
+    ],
+    ids=["count", "dtype", "op", "algo", "root", "kind"],
+)
+def test_mismatch_is_an_error_on_every_rank(call) -> None:
+    with mesh(3, timeout=10) as rs:
+        t0 = time.monotonic()
+        out = run_ranks(rs, call)
+        assert time.monotonic() - t0 < 10, "detected by the tags, not by a timeout"
+        for r, e in enumerate(out):
+            assert isinstance(e, CollectiveError), f"rank {r} got {e!r}"
+        assert any(e.code == _datapath.MISMATCH for e in out)
+        for e in out:
+            if e.code == _datapath.MISMATCH:
+                assert "does not match" in str(e) and e.rank is not None
+        # the communicator is over: later calls raise too
+        with pytest.raises(CollectiveError):
+            rs[0].barrier()
+
+
+def test_broadcast_root_mismatch_fails_the_next_collective() -> None:
+    """Ranks 0 and 1 both think they are root: both only send, so neither can
+    see it in that call; their stray messages fail the next collective, on
+    every rank (a mismatch where a stray message is seen first, else the
+    connection the detecting rank closed), never as corrupt data."""
+    with mesh(3, timeout=10) as rs:
+
+        def go(rk):
+            buf = np.full(64, rk.rank, np.int8)
+            rk.broadcast(buf, root=rk.rank % 2)
+            rk.barrier()
+
+        out = run_ranks(rs, go)
+        assert all(isinstance(e, CollectiveError) for e in out), out
+        assert any(e.code == _datapath.MISMATCH for e in out), out
+
+
+def test_abort_from_another_thread() -> None:
+    with mesh(3, timeout=60) as rs:
+        work = rs[0].all_reduce(np.ones(1 << 16, np.float32), async_op=True)  # peers never join
+        t = threading.Thread(target=rs[0].abort, args=("test",))
+        t0 = time.monotonic()
+        t.start()
+        with pytest.raises(CollectiveError, match="aborted"):
+            work.wait(timeout=10)
+        t.join()
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(CollectiveError):
+            rs[0].barrier()
+
+
+@pytest.mark.parametrize("what", ["endpoint", "connection"])
+def test_closing_under_a_running_collective_is_safe(what: str) -> None:
+    """Closing the endpoint, or one connection, of a rank whose collective is
+    running (waiting for peers that never join) ends it with CollectiveError;
+    nothing is freed under the executor."""
+    with mesh(3, timeout=30) as rs:
+        x = np.ones(1 << 20, np.float32)
+        work = rs[0].all_reduce(x, async_op=True)
+        deadline = time.monotonic() + 10
+        while rs[0].endpoint.stats()["tx_bytes"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)  # until it has posted its sends
+        if what == "endpoint":
+            rs[0].endpoint.close()
+        else:
+            rs[0].peers[2].close()
+        with pytest.raises(CollectiveError):
+            work.wait(timeout=10)
+        with pytest.raises(CollectiveError):
+            rs[0].all_reduce(x)
+        x[:] = 2  # the buffer is the caller's again
+
+
+def test_peer_closed_mid_collective_is_named() -> None:
+    """Rank 2's endpoint closes while ranks 0 and 1 are in an all_reduce with it:
+    both raise within the timeout, and the first to notice names rank 2. (A
+    rank that fails closes its connections, so the other may see that close
+    first and name the rank that closed; the communicator's rendezvous, which
+    knows rank 2 went, gives every rank the root cause.)"""
+    timeout = 3.0
+    with mesh(3, timeout=timeout, ep_timeout=1.0) as rs:
+        x = [data("float32", 1 << 20, r) for r in range(3)]
+        works = [rs[r].all_reduce(x[r], async_op=True) for r in (0, 1)]
+        # rank 2 never calls: wait until the others' data reaches it, then close it
+        deadline = time.monotonic() + 10
+        while rs[2].endpoint.stats()["rx_bytes"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert rs[2].endpoint.stats()["rx_bytes"] > 0
+        t0 = time.monotonic()
+        rs[2].close()
+        errs = []
+        for w in works:
+            with pytest.raises(CollectiveError) as ei:
+                w.wait(timeout=timeout + 5)
+            errs.append(ei.value)
+        assert time.monotonic() - t0 < timeout + 2
+        assert any(e.rank == 2 and "rank 2" in str(e) for e in errs), errs
+        for r, e in enumerate(errs):
+            assert e.rank in (2, 1 - r), e  # rank 2, or the other survivor that closed
+
+
+def test_bad_arguments_are_named() -> None:
+    with mesh(2) as rs:
+        rk = rs[0]
+        with pytest.raises(UsageError, match="100 and 99 elements"):
+            rk.all_reduce(np.ones(100, np.float32), np.ones(99, np.float32))
+        with pytest.raises(UsageError, match="different dtypes"):
+            rk.all_reduce(np.ones(4, np.float32), np.ones(4, np.float64))
+        with pytest.raises(UsageError, match="op must be one of"):
+            rk.all_reduce(np.ones(4, np.float32), op="xor")
+        with pytest.raises(UsageError, match="root 5 out of range"):
+            rk.broadcast(np.ones(4, np.float32), root=5)
+        with pytest.raises(UsageError, match="C-contiguous"):
+            rk.all_reduce(np.ones((4, 4), np.float32)[:, 0])
+        with pytest.raises(UsageError, match="read-only"):
+            rk.all_reduce(np.frombuffer(b"abcd", np.uint8))
+        with pytest.raises(UsageError, match="bool is not one of"):
+            rk.all_reduce(np.ones(4, bool))
+        with pytest.raises(UsageError, match="2 x 4 elements"):
+            rk.all_gather(np.ones(4, np.int8), np.ones(4, np.int8))
+        with pytest.raises(UsageError, match="peer 0 must be another rank"):
+            rk.send(b"x", 0)
+        with pytest.raises(UsageError, match="not a multiple of 2"):
+            rk.all_to_all(np.ones(3, np.int8), np.ones(3, np.int8))
+        with pytest.raises(UsageError, match="bfloat16 needs 2-byte"):
+            rk.all_reduce(np.ones(4, np.float32), dtype="bfloat16")
+        # still usable: nothing was sent
+        out = ok(run_ranks(rs, lambda r: r.all_reduce(np.full(5, r.rank + 1, np.int64))))
+        assert all((o == 3).all() for o in out)

@@ -1,0 +1,399 @@
+"""The communicator's bootstrap, mesh and failure handling, across processes on loopback.
+
+Each rank of the multi-process tests is tests/comm_worker.py in its own process; the
+error tests that need no data run ranks as threads of this process (the binding
+releases the GIL in connect and accept).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mrc
+from mrc.collectives.communicator import launch_env, loopback_planes, rendezvous_port
+from mrc.collectives.rendezvous import UniqueId
+
+WORKER = str(Path(__file__).with_name("comm_worker.py"))
+
+
+def start_ranks(
+    mode: str,
+    size: int,
+    uid: str,
+    timeout: float = 10.0,
+    env: dict[str, str] | None = None,
+    modes: dict[int, str] | None = None,
+    envs: dict[int, dict[str, str]] | None = None,
+) -> list[subprocess.Popen[str]]:
+    procs = []
+    for r in range(size):
+        e = dict(os.environ, **(env or {}), **((envs or {}).get(r, {})), COMM_WAIT_GO="1")
+        m = (modes or {}).get(r, mode)
+        argv = [sys.executable, WORKER, m, str(r), str(size), uid, str(timeout)]
+        procs.append(
+            subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True, env=e)
+        )
+    for p in procs:  # every rank has imported mrc: start them together
+        assert p.stdout is not None
+        assert json.loads(p.stdout.readline()).get("ready")
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    return procs
+
+
+def results(procs: list[subprocess.Popen[str]], limit: float = 60) -> list[dict[str, Any]]:
+    out = []
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=limit)
+            lines = [json.loads(x) for x in text.splitlines() if x.startswith("{")]
+            out.append(lines[-1] if lines else {"exit": p.returncode})
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+def expected_sha(src: int, dst: int) -> str:
+    data = np.random.default_rng(1000 * src + dst).integers(0, 256, 100_003, dtype=np.uint8)
+    return hashlib.sha256(data.tobytes()).hexdigest()
+
+
+def check_mesh(res: list[dict[str, Any]], size: int, npaths: int = 4) -> None:
+    for r, got in enumerate(res):
+        assert got.get("ok"), got
+        assert got["got"] == {str(p): expected_sha(p, r) for p in range(size) if p != r}
+        assert got["npaths"] == [0 if p == r else npaths for p in range(size)]
+
+
+@pytest.mark.parametrize("size", [2, 5])
+def test_mesh_across_processes(size: int) -> None:
+    uid = mrc.get_unique_id()
+    check_mesh(results(start_ranks("mesh", size, uid.hex())), size)
+
+
+def test_mesh_of_8_ranks() -> None:
+    uid = mrc.get_unique_id()
+    res = results(start_ranks("mesh", 8, uid.hex()))
+    check_mesh(res, 8)
+    # No timing target under this load, but set-up is one round, not a crawl.
+    assert max(r["setup_s"] for r in res) < 10, [r["setup_s"] for r in res]
+
+
+def test_from_env_across_processes() -> None:
+    """torchrun's variables: rank 0 starts the rendezvous on MASTER_PORT + 1 itself."""
+    port = free_port()
+    env = {"WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port - 1)}
+    envs = {r: {"RANK": str(r)} for r in range(3)}
+    check_mesh(results(start_ranks("mesh", 3, "env", env=env, envs=envs)), 3)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# from_env: each launcher's variables ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "rank", "size", "port"),
+    [
+        (
+            {"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"},
+            2,
+            4,
+            29501,
+        ),
+        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3"}, 1, 3, 29501),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2", "MRC_PORT": "4000"}, 0, 2, 4000),
+        ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "123456"}, 5, 8, 29957),
+    ],
+    ids=["torchrun", "openmpi", "pmi", "slurm"],
+)
+def test_launch_env(env: dict[str, str], rank: int, size: int, port: int) -> None:
+    cfg = launch_env(env)
+    assert (cfg["rank"], cfg["size"]) == (rank, size)
+    uid = UniqueId.unpack(cfg["unique_id"])
+    assert (uid.addr, uid.port) == (env.get("MASTER_ADDR", "127.0.0.1"), port)
+    assert rendezvous_port(env) == port
+
+
+def test_launch_env_mrc_run_variables_and_tokens() -> None:
+    base = {"WORLD_SIZE": "4", "MASTER_ADDR": "fd00::1", "MRC_PORT": "5000", "MRC_RUN_ID": "a"}
+    extra = {"MRC_FABRIC": "routing/4host-4plane.toml", "MRC_HOST": "h3", "MRC_TIMEOUT": "7.5"}
+    cfgs = [launch_env({**base, **extra, "RANK": str(r)}) for r in range(4)]
+    assert cfgs[3]["fabric"] == "routing/4host-4plane.toml"
+    assert cfgs[3]["host"] == "h3" and cfgs[3]["timeout"] == 7.5
+    # Every rank of a run derives the same id; another run (or size) another token.
+    assert len({c["unique_id"] for c in cfgs}) == 1
+    other = launch_env({**base, "MRC_RUN_ID": "b", "RANK": "0"})
+    assert UniqueId.unpack(other["unique_id"]).token != UniqueId.unpack(cfgs[0]["unique_id"]).token
+    assert UniqueId.unpack(cfgs[0]["unique_id"]).addr == "fd00::1"
+    assert launch_env({**base, "RANK": "0", "MRC_PLANES": "2"})["planes"] == "2"
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({}, "RANK/WORLD_SIZE"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
+        ({"RANK": "4", "WORLD_SIZE": "4"}, r"rank 4 out of range .* 4 ranks \(0..3\)"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MRC_PORT": "70000"}, "port 70000 out of range"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MRC_TIMEOUT": "soon"}, "MRC_TIMEOUT='soon'"),
+    ],
+)
+def test_launch_env_errors(env: dict[str, str], match: str) -> None:
+    with pytest.raises(mrc.UsageError, match=match):
+        launch_env(env)
+
+
+def test_loopback_planes_are_distinct_per_rank() -> None:
+    assert loopback_planes(0) == ["127.1.0.1", "127.1.0.2", "127.1.0.3", "127.1.0.4"]
+    assert loopback_planes(6, 2) == ["127.7.0.1", "127.7.0.2"]
+    with pytest.raises(mrc.UsageError, match="ranks 0..253, got rank 254"):
+        loopback_planes(254)
+
+
+# Bad input and missing ranks: ranks as threads ----------------------------------------------
+
+
+def in_threads(
+    specs: list[tuple[int, int, bytes]], timeout: float, **kw: Any
+) -> list[mrc.Communicator | BaseException]:
+    """Build a communicator per (rank, size, uid) at once; each result or its exception."""
+    out: list[mrc.Communicator | BaseException] = [RuntimeError("not run")] * len(specs)
+
+    def run(i: int, rank: int, size: int, uid: bytes) -> None:
+        try:
+            out[i] = mrc.Communicator(rank, size, uid, timeout=timeout, planes=1, **kw)
+        except BaseException as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i, *s)) for i, s in enumerate(specs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 30)
+    return out
+
+
+def close_all(items: list[mrc.Communicator | BaseException]) -> None:
+    """close() is collective: every rank closes at once, each in its own thread."""
+    threads = [threading.Thread(target=c.close) for c in items if isinstance(c, mrc.Communicator)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
+def test_mesh_in_threads_and_close() -> None:
+    uid = mrc.get_unique_id()
+    comms = in_threads([(r, 3, uid) for r in range(3)], timeout=10)
+    try:
+        assert all(isinstance(c, mrc.Communicator) for c in comms), comms
+        for c in comms:
+            assert isinstance(c, mrc.Communicator)
+            assert c.peers[c.rank] is None and sum(p is not None for p in c.peers) == 2
+            # The acceptor (the lower rank) knows each caller by the name it gave: its rank.
+            assert [c.peers[p].peer_name for p in range(c.rank + 1, 3)] == [  # type: ignore[union-attr]
+                str(p) for p in range(c.rank + 1, 3)
+            ]
+            assert c.fabric_info is None and c.failure is None
+    finally:
+        close_all(comms)
+    for c in comms:
+        assert isinstance(c, mrc.Communicator)
+        c.close()  # idempotent
+        with pytest.raises(mrc.CollectiveError, match="closed"):
+            c.check_failure()
+
+
+def test_rank_out_of_range_and_bad_args() -> None:
+    uid = mrc.get_unique_id()
+    with pytest.raises(mrc.UsageError, match=r"rank 3 out of range .* 3 ranks \(0..2\)"):
+        mrc.Communicator(3, 3, uid)
+    with pytest.raises(mrc.UsageError, match="rank -1 out of range"):
+        mrc.Communicator(-1, 3, uid)
+    with pytest.raises(mrc.UsageError, match="size must be an int >= 1, got 0"):
+        mrc.Communicator(0, 0, uid)
+    with pytest.raises(mrc.UsageError, match="not an mrc unique id"):
+        mrc.Communicator(0, 2, b"hello")
+    with pytest.raises(mrc.UsageError, match="protocol version 9"):
+        mrc.Communicator(0, 2, b"mrc-uid/9/127.0.0.1/1234/ab")
+    with pytest.raises(mrc.UsageError, match="timeout must be > 0"):
+        mrc.Communicator(0, 2, uid, timeout=0)
+
+
+def test_wrong_unique_id() -> None:
+    uid = UniqueId.unpack(mrc.get_unique_id())
+    bad = UniqueId(uid.addr, uid.port, "0" * 32).pack()
+    t0 = time.monotonic()
+    with pytest.raises(mrc.UsageError, match="wrong unique id: the rendezvous at 127.0.0.1"):
+        mrc.Communicator(1, 2, bad, timeout=5, planes=1)
+    assert time.monotonic() - t0 < 5  # refused at once, not after the timeout
+
+
+def test_missing_rank_is_named_within_the_timeout() -> None:
+    uid = mrc.get_unique_id()
+    t0 = time.monotonic()
+    res = in_threads([(0, 4, uid), (1, 4, uid), (3, 4, uid)], timeout=1.5)
+    took = time.monotonic() - t0
+    close_all(res)
+    for e in res:
+        assert isinstance(e, mrc.CollectiveError), e
+        assert "rank 2 of 4 did not join within 1.5 s (joined: 0, 1, 3)" in str(e)
+        assert e.rank == 2
+    assert took < 1.5 + 5
+
+
+def test_unreachable_rendezvous_names_rank_0() -> None:
+    bad = UniqueId("127.0.0.1", free_port(), "ab" * 16).pack()
+    with pytest.raises(mrc.CollectiveError, match="could not reach the rendezvous of rank 0") as e:
+        mrc.Communicator(1, 2, bad, timeout=0.5, planes=1)
+    assert e.value.rank == 0
+
+
+def test_two_ranks_with_the_same_number() -> None:
+    uid = mrc.get_unique_id()
+    res = in_threads([(0, 3, uid), (1, 3, uid), (1, 3, uid)], timeout=5)
+    close_all(res)
+    for e in res:
+        assert isinstance(e, mrc.CollectiveError), e
+        assert "two processes joined as rank 1" in str(e) and e.rank == 1
+
+
+def test_size_mismatch() -> None:
+    uid = mrc.get_unique_id()
+    res = in_threads([(0, 2, uid), (1, 3, uid)], timeout=5)
+    close_all(res)
+    errs = [e for e in res if isinstance(e, mrc.CollectiveError)]
+    assert errs and all("communicator has" in str(e) for e in errs), res
+
+
+def test_abort_from_another_thread_reaches_every_rank() -> None:
+    uid = mrc.get_unique_id()
+    comms = in_threads([(0, 2, uid), (1, 2, uid)], timeout=10)
+    try:
+        c0, c1 = comms
+        assert isinstance(c0, mrc.Communicator) and isinstance(c1, mrc.Communicator)
+        threading.Timer(0.2, c1.abort, args=("test says stop",)).start()
+        deadline = time.monotonic() + 10
+        while c0.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # polls the flag the monitor thread sets; bounded
+        assert c1.failure is not None and c1.failure.rank == 1
+        with pytest.raises(mrc.CollectiveError, match="rank 1 aborted its communicator: test"):
+            c0.check_failure()
+        with pytest.raises(mrc.CollectiveError, match="rank 1 aborted"):
+            c1.check_failure()
+    finally:
+        close_all(comms)
+
+
+# A rank that dies or stops ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill", "sigstop"])
+def test_dead_rank_is_named_within_the_timeout(how: str) -> None:
+    """Rank 2 of 4 dies (or is stopped) after the mesh carried data; the others, blocked
+    on a RECV from it, raise CollectiveError naming rank 2 within the timeout."""
+    timeout, dead = 3.0, 2
+    uid = mrc.get_unique_id()
+    modes = {dead: "die" if how == "exit" else "mesh_hold"}
+    procs = start_ranks("survive", 4, uid.hex(), timeout, env={"DEAD_RANK": str(dead)}, modes=modes)
+    try:
+        if how != "exit":
+            victim = procs[dead]
+            assert victim.stdout is not None
+            assert json.loads(victim.stdout.readline()).get("holding")  # its mesh is up
+            os.kill(victim.pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+        res = results([p for r, p in enumerate(procs) if r != dead])
+    finally:
+        if procs[dead].poll() is None:
+            procs[dead].kill()
+            procs[dead].wait()
+    for got in res:
+        assert got.get("type") == "CollectiveError", got
+        assert got["err_rank"] == dead and f"rank {dead}" in got["error"], got
+        # Death: noticed at once (its socket closes); a stopped rank: one timeout.
+        assert got["secs"] < timeout + 3, got
+    if how == "sigstop":
+        assert all("sent nothing for" in g["error"] for g in res), res
+
+
+# Real collectives (the Collectives mixin of wip/coll) across processes ---------------------
+
+needs_collectives = pytest.mark.skipif(
+    not hasattr(mrc.Communicator, "all_reduce"), reason="the collectives (wip/coll) are not merged"
+)
+
+
+@needs_collectives
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_collectives_across_processes(size: int) -> None:
+    uid = mrc.get_unique_id()
+    res = results(start_ranks("coll", size, uid.hex(), timeout=30), limit=120)
+    for got in res:
+        assert got.get("ok"), got
+        bad = {k: v for k, v in got["wrong"].items() if v}
+        assert not bad, (got["rank"], bad)
+
+
+@needs_collectives
+def test_rank_killed_mid_collective() -> None:
+    timeout, dead = 3.0, 1
+    uid = mrc.get_unique_id()
+    res = results(
+        start_ranks("coll_die", 3, uid.hex(), timeout, env={"DEAD_RANK": str(dead)}), limit=120
+    )
+    assert res[dead] == {"exit": 3}, res[dead]
+    survivors = [g for r, g in enumerate(res) if r != dead]
+    for got in survivors:
+        assert got.get("type") == "CollectiveError", got
+        assert got["err_rank"] == dead and f"rank {dead}" in got["error"], got
+        assert got["secs"] < timeout + 5, got
+
+
+def test_close_waits_for_the_others_at_most_the_timeout() -> None:
+    """close() is collective; a rank whose peer never closes gives up after the timeout,
+    and the peer, told the rendezvous is gone, then closes at once."""
+    uid = mrc.get_unique_id()
+    comms = in_threads([(0, 2, uid), (1, 2, uid)], timeout=2.0)
+    c0, c1 = comms
+    assert isinstance(c0, mrc.Communicator) and isinstance(c1, mrc.Communicator)
+    t0 = time.monotonic()
+    c0.close()
+    assert 1.9 < time.monotonic() - t0 < 10
+    assert c1._released.wait(5)  # so its close() will not wait
+    c1.close()
+    assert c1.failure is None  # a peer that closed is not a failure
+
+
+def test_a_communicator_of_one() -> None:
+    with mrc.Communicator(0, 1, mrc.get_unique_id(), timeout=5, planes=1) as comm:
+        assert comm.peers == [None] and comm.hosts and comm.failure is None
+        if hasattr(comm, "all_reduce"):
+            x = np.arange(5, dtype=np.float32)
+            comm.all_reduce(x)
+            assert x.tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(mrc.CollectiveError, match="closed"):
+        comm.check_failure()

@@ -1,0 +1,233 @@
+"""mrc-run: rank prefixes, the first failure's exit code and name, stopping the others,
+Ctrl-C, and communicators under it on loopback and (root) on a namespace fabric."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mrc
+from mrc.fabric.testing import fabric_up
+from mrc.run import plan
+
+ROOT = Path(__file__).resolve().parent.parent
+HAVE_COLLECTIVES = hasattr(mrc.Communicator, "all_reduce")
+MRC_RUN = [sys.executable, "-m", "mrc.run"]
+WORKER = str(ROOT / "tests" / "comm_worker.py")
+
+
+def mrc_run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*MRC_RUN, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_prefixes_and_environment() -> None:
+    code = (
+        "import os\n"
+        "for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MRC_PORT', 'MRC_RUN_ID'):\n"
+        "    print(k, os.environ[k])\n"
+    )
+    res = mrc_run("-n", "3", "--", *py(code))
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    for r in range(3):
+        mine = [x for x in lines if x.startswith(f"[{r}] ")]
+        env = dict(x[len(f"[{r}] ") :].split(" ", 1) for x in mine)
+        assert env["RANK"] == env["LOCAL_RANK"] == str(r)
+        assert env["WORLD_SIZE"] == "3" and env["MASTER_ADDR"] == "127.0.0.1"
+    # One run: the same rendezvous port and run id for every rank.
+    for key in ("MRC_PORT", "MRC_RUN_ID"):
+        assert len({x.split()[-1] for x in lines if f"] {key} " in x}) == 1
+
+
+def test_first_failure_code_names_the_rank_and_stops_the_others() -> None:
+    code = (
+        "import os, sys, time\n"
+        "r = int(os.environ['RANK'])\n"
+        "print('started', flush=True)\n"
+        "if r == 1:\n"
+        "    print('rank one gives up', flush=True)\n"
+        "    sys.exit(7)\n"
+        "time.sleep(120)\n"  # the others would run on: mrc-run must stop them
+    )
+    t0 = time.monotonic()
+    res = mrc_run("-n", "3", "--", *py(code))
+    assert res.returncode == 7, res.stdout
+    assert time.monotonic() - t0 < 30
+    out = res.stdout
+    assert "[1] rank one gives up" in out
+    assert "mrc-run: rank 1 exited with code 7 (first failure)" in out
+    assert "mrc-run: stopped ranks 0, 2" in out
+    assert re.search(r"last \d+ lines of rank 1:\n  started\n  rank one gives up", out), out
+
+
+def test_rank_killed_by_a_signal() -> None:
+    code = "import os, signal\nif os.environ['RANK'] == '2': os.kill(os.getpid(), signal.SIGKILL)\n"
+    res = mrc_run("-n", "3", "--", *py(code))
+    assert res.returncode == 128 + signal.SIGKILL, res.stdout
+    assert "rank 2 killed by SIGKILL (first failure)" in res.stdout
+
+
+def test_missing_command_and_bad_hosts() -> None:
+    res = mrc_run("-n", "2")
+    assert res.returncode != 0 and "CMD" in res.stderr
+    res = mrc_run("-n", "2", "--hosts", "h0,h1", "--", "true")
+    assert res.returncode != 0 and "--hosts needs --fabric" in res.stderr
+    res = mrc_run("-n", "2", "--", "/nonexistent/prog")
+    assert res.returncode == 127 and "cannot start" in res.stdout
+
+
+def test_ctrl_c_stops_every_rank() -> None:
+    code = "import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(120)\n"
+    proc = subprocess.Popen(
+        [*MRC_RUN, "-n", "3", "--", *py(code)], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    assert proc.stdout is not None
+    pids = [int(proc.stdout.readline().split()[-1]) for _ in range(3)]
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert "interrupted; stopped ranks 0, 1, 2" in out
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def expected_sha(src: int, dst: int) -> str:
+    data = np.random.default_rng(1000 * src + dst).integers(0, 256, 100_003, dtype=np.uint8)
+    return hashlib.sha256(data.tobytes()).hexdigest()
+
+
+def rank_results(stdout: str) -> dict[int, dict[str, object]]:
+    out = {}
+    for line in stdout.splitlines():
+        m = re.match(r"\[(\d+)\] (\{.*\})$", line)
+        if m:
+            out[int(m.group(1))] = json.loads(m.group(2))
+    return out
+
+
+def test_communicators_under_mrc_run() -> None:
+    """from_env() under mrc-run, with --planes 2: two loopback planes per rank."""
+    res = mrc_run(
+        "-n", "4", "--timeout", "10", "--planes", "2",
+        "--", sys.executable, WORKER, "mesh", "env", "env", "env", "0",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout
+    got = rank_results(res.stdout)
+    for r in range(4):
+        assert got[r].get("ok"), got[r]
+        assert got[r]["got"] == {str(p): expected_sha(p, r) for p in range(4) if p != r}
+        assert got[r]["npaths"] == [0 if p == r else 2 for p in range(4)]
+
+
+def test_killed_rank_under_mrc_run() -> None:
+    """Rank 2 dies after the mesh carried data: the others raise CollectiveError naming it
+    (within the timeout), and mrc-run exits with rank 2's code, naming it."""
+    # With the collectives: rank 2 dies in the middle of a 64 MiB all_reduce.
+    die, survive = ("coll_die", "coll_die") if HAVE_COLLECTIVES else ("die", "survive")
+    code = (
+        "import os, runpy, sys\n"
+        f"mode = {die!r} if os.environ['RANK'] == '2' else {survive!r}\n"
+        f"sys.argv = [{WORKER!r}, mode, 'env', 'env', 'env', '0']\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    env = dict(os.environ, DEAD_RANK="2")
+    res = subprocess.run(
+        # A death is seen at once (its socket closes); the timeout only bounds start-up.
+        [*MRC_RUN, "-n", "4", "--timeout", "20", "--", *py(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
+    assert res.returncode == 3, res.stdout
+    assert "mrc-run: rank 2 exited with code 3 (first failure)" in res.stdout
+    got = rank_results(res.stdout)
+    # The survivors' communicators raise at once, within mrc-run's settle time.
+    for r in (0, 1, 3):
+        assert got[r].get("type") == "CollectiveError", got.get(r)
+        assert got[r]["err_rank"] == 2 and "rank 2 exited" in str(got[r]["error"]), got[r]
+
+
+def test_plan_on_a_fabric_needs_it_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mrc.fabric.state import FabricNetError
+
+    monkeypatch.setenv("MRC_FABRIC_STATE_DIR", str(tmp_path))
+    with pytest.raises(FabricNetError, match="is not up"):
+        plan(2, ["true"], fabric=str(ROOT / "routing/2host-2plane.toml"), name="nosuch")
+
+
+@pytest.mark.root
+def test_mrc_run_on_a_namespace_fabric() -> None:
+    """4 ranks, each in its host's namespace: the mesh carries checked data on every
+    path of the route table between the hosts."""
+    fabric = str(ROOT / "routing/4host-4plane.toml")
+    with fabric_up(fabric) as fab:
+        npaths = len(fab.paths("h0", "h1"))
+        res = mrc_run(
+            "-n",
+            "4",
+            "--fabric",
+            fabric,
+            "--name",
+            fab.prefix,
+            "--timeout",
+            "20",
+            "--",
+            sys.executable,
+            WORKER,
+            "mesh",
+            "env",
+            "env",
+            "env",
+            "0",
+            timeout=120,
+        )
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = rank_results(res.stdout)
+    for r in range(4):
+        assert got[r].get("ok"), got[r]
+        assert got[r]["got"] == {str(p): expected_sha(p, r) for p in range(4) if p != r}
+        assert got[r]["npaths"] == [0 if p == r else npaths for p in range(4)]
+        info = got[r]["fabric_info"]
+        assert isinstance(info, dict) and info["host"] == f"h{r}"
+        rates = [fab.fabric.host_link(f"h{r}", p).rate_bps for p in range(4)]
+        assert info["rates_bps"] == rates
+        assert [x["host"] for x in info["ranks"]] == ["h0", "h1", "h2", "h3"]
+
+
+@pytest.mark.root
+@pytest.mark.skipif(not HAVE_COLLECTIVES, reason="the collectives (wip/coll) are not merged")
+def test_collectives_on_a_namespace_fabric() -> None:
+    """Every collective x a few dtypes/ops, 4 ranks in 4 host namespaces, checked bit for
+    bit against the rank-order reference."""
+    fabric = str(ROOT / "routing/4host-4plane.toml")
+    with fabric_up(fabric) as fab:
+        res = mrc_run(
+            "-n", "4", "--fabric", fabric, "--name", fab.prefix, "--timeout", "30",
+            "--", sys.executable, WORKER, "coll", "env", "env", "env", "0",
+            timeout=180,
+        )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = rank_results(res.stdout)
+    for r in range(4):
+        assert got[r].get("ok"), got[r]
+        bad = {k: v for k, v in got[r]["wrong"].items() if v}  # type: ignore[union-attr]
+        assert not bad, (r, bad)

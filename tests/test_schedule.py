@@ -1,0 +1,136 @@
+"""The planner without a network: every schedule runs in the numpy simulator
+(random arrival orders, tiny chunks, 2-slot rings), which also checks that
+messages pair up and that no buffer being sent is changed in flight; results
+must equal the rank-order reference bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mrc.collectives import schedule as S
+from mrc.collectives import simulate as M
+from mrc.errors import UsageError
+
+
+def f32(count: int, seed: int) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(count) * 1e3).astype(np.float32)
+
+
+def run(schedules, ins, outs, op="sum", dtype="float32", seed=0, chunk=8):
+    S.check_pair(schedules)
+    for s in schedules:
+        s.check()
+    M.simulate(schedules, ins, outs, dtype, op, chunk=chunk, slots=2, seed=seed)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("count", [0, 1, 13])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("shares", [None, "ramp", "zero", "gather"])
+def test_all_reduce_any_order_same_bits(n, count, in_place, shares) -> None:
+    sh = None if shares is None else [float(k + 1) for k in range(n)]
+    if shares == "zero":
+        sh = [0.0] + [1.0] * (n - 1)  # rank 0 owns nothing (a failed rank's share)
+    xs = [f32(count, r) for r in range(n)]
+    want = M.reference(xs, "float32", "avg").tobytes()
+    for seed in range(3):
+        ins = [x.view(np.uint8).copy() for x in xs]
+        outs = ins if in_place else [np.zeros_like(i) for i in ins]
+        algo = "gather" if shares == "gather" else "direct"
+        if algo == "gather":
+            sh = None
+        sch = [S.all_reduce(r, n, count, 4, shares=sh, avg=True, algo=algo) for r in range(n)]
+        run(sch, ins, outs, op="avg", seed=seed)
+        assert all(o.tobytes() == want for o in outs)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_other_schedule(n) -> None:
+    count = 11
+    xs = [f32(count * n, r) for r in range(n)]
+    red = M.reference(xs, "float32", "max")
+    for root in range(n):
+        ins = [x.view(np.uint8).copy() for x in xs]
+        outs = [np.zeros_like(i) if r == root else np.zeros(0, np.uint8) for r, i in enumerate(ins)]
+        run([S.reduce(r, n, count * n, 4, root) for r in range(n)], ins, outs, op="max")
+        assert outs[root].tobytes() == red.tobytes()
+        for algo in ("direct", "scatter"):
+            bufs = [x.view(np.uint8).copy() for x in xs]
+            run([S.broadcast(r, n, count * n, 4, root, algo) for r in range(n)], bufs, bufs)
+            assert all(b.tobytes() == xs[root].tobytes() for b in bufs)
+    ins = [x.view(np.uint8).copy() for x in xs]
+    outs = [np.zeros(count * 4, np.uint8) for _ in range(n)]
+    run([S.reduce_scatter(r, n, count, 4) for r in range(n)], ins, outs, op="max")
+    for r in range(n):
+        assert outs[r].tobytes() == red[r * count : (r + 1) * count].tobytes()
+    outs = [np.zeros(n * n * count * 4, np.uint8) for _ in range(n)]
+    run([S.all_gather(r, n, n * count, 4) for r in range(n)], ins, outs)
+    assert all(o.tobytes() == np.concatenate(xs).tobytes() for o in outs)
+    cnt = [[(3 * a + b) % 4 for b in range(n)] for a in range(n)]
+    ins = [f32(sum(cnt[a]), a).view(np.uint8) for a in range(n)]
+    outs = [np.zeros(sum(cnt[k][b] for k in range(n)) * 4, np.uint8) for b in range(n)]
+    sch = [S.all_to_all(a, n, 4, cnt[a], [cnt[k][a] for k in range(n)]) for a in range(n)]
+    run(sch, ins, outs)
+    for b in range(n):
+        want = [ins[k][sum(cnt[k][:b]) * 4 : sum(cnt[k][: b + 1]) * 4] for k in range(n)]
+        assert outs[b].tobytes() == np.concatenate(want).tobytes()
+    empty = [np.zeros(0, np.uint8) for _ in range(n)]
+    run([S.barrier(r, n) for r in range(n)], empty, empty)
+
+
+def test_share_bounds() -> None:
+    assert S.share_bounds(10, 3) == [0, 4, 7, 10]
+    assert S.share_bounds(10, 4, [1, 1, 1, 1]) == [0, 2, 5, 7, 10]
+    assert S.share_bounds(100, 2, [0.25, 0.75]) == [0, 25, 100]
+    assert S.share_bounds(5, 3, [0, 0, 1]) == [0, 0, 0, 5]
+    with pytest.raises(UsageError, match="3 entries for 2 ranks"):
+        S.share_bounds(5, 2, [1, 1, 1])
+    with pytest.raises(UsageError, match="positive sum"):
+        S.share_bounds(5, 2, [0, 0])
+
+
+def test_bytes_per_rank_match_a_ring() -> None:
+    """Direct all_reduce moves 2(n-1)/n of the data per rank, as a ring does."""
+    n, count = 4, 4000
+    sch = S.all_reduce(1, n, count, 4)
+    sent = sum(s.length for s in sch.steps if s.kind == S.SEND)
+    got = sum(s.length for s in sch.steps if s.kind == S.RECV)
+    assert sent == got == 2 * (n - 1) * count * 4 // n
+
+
+def test_checks_catch_bad_schedules() -> None:
+    sch = S.all_reduce(0, 3, 30, 4)
+    sch.steps[-1].deps = (len(sch.steps),)
+    with pytest.raises(UsageError, match="depends on a later step"):
+        sch.check()
+    sch = S.all_reduce(0, 3, 30, 4)
+    red = next(s for s in sch.steps if s.kind == S.REDUCE)
+    red.deps = ()
+    with pytest.raises(UsageError, match="without depending"):
+        sch.check()
+    a, b = S.send(0, 2, 1, 10), S.recv(1, 2, 0, 12)
+    want = r"sends \[\(10, 0\)\] to rank 1, which receives \[\(12, 0\)\]"
+    with pytest.raises(UsageError, match=want):
+        S.check_pair([a, b])
+
+
+def test_simulator_catches_a_send_buffer_overwritten_in_flight() -> None:
+    """A COPY into a range that is still being sent, with no dependency on the
+    send: some arrival order shows the hazard."""
+    a = S.Schedule("hazard", 0, 2, 16, 16)
+    a.send(1, S.Ref(S.BUF_RECV, 0), 8)
+    a.copy(S.Ref(S.BUF_RECV, 0), S.Ref(S.BUF_RECV, 8), 8)
+    b = S.recv(1, 2, 0, 8)
+    with pytest.raises(AssertionError, match="changed while in flight"):
+        for seed in range(50):
+            buf = np.arange(16, dtype=np.uint8)
+            M.simulate(
+                [a, b],
+                [buf, np.zeros(0, np.uint8)],
+                [buf, np.zeros(8, np.uint8)],
+                "uint8",
+                "sum",
+                chunk=8,
+                seed=seed,
+            )
