@@ -8,6 +8,10 @@ PY     := $(VENV)/bin/python
 DEPS   := $(VENV)/.deps-stamp
 BUILT  := $(VENV)/.build-stamp
 PYDEPS := meson-python meson ninja Cython click rich numpy pytest ruff scapy pyroute2 matplotlib
+# The torch extra (pyproject's optional-dependencies "torch"), for mrc.torch and its tests.
+# Pinned to the CPU wheel the machines have on disk: an unpinned torch downloads GBs of CUDA.
+TORCH  := $(VENV)/.torch-stamp
+TORCH_PIN := torch==2.13.0
 
 .PHONY: all build demo test test-py test-c asan fuzz-short lint sysdeps bench gpu-check clean
 
@@ -19,6 +23,11 @@ $(PY):
 
 $(DEPS): pyproject.toml | $(PY)
 	$(PY) -m pip install -q $(PYDEPS)
+	touch $@
+
+# Its own stamp, so venvs made before the extra existed get it on their next `make test`.
+$(TORCH): pyproject.toml | $(DEPS)
+	$(PY) -m pip install -q $(TORCH_PIN)
 	touch $@
 
 # Editable install: meson-python rebuilds the C core and the Cython binding
@@ -52,7 +61,7 @@ demo: build sysdeps
 
 test: build sysdeps asan fuzz-short lint test-py
 
-test-py: build
+test-py: build $(TORCH)
 	$(PY) -m pytest -q -ra tests
 
 # The C core on its own, under AddressSanitizer + UndefinedBehaviorSanitizer.
@@ -67,8 +76,8 @@ test-c:
 	$(MAKE) -C src_c test
 
 lint: $(DEPS)
-	$(VENV)/bin/ruff check mrc tests tools benchmarks
-	$(VENV)/bin/ruff format --check mrc tests tools benchmarks
+	$(VENV)/bin/ruff check mrc tests tools benchmarks examples
+	$(VENV)/bin/ruff format --check mrc tests tools benchmarks examples
 
 bench: build sysdeps
 	$(PY) benchmarks/loopback_bw.py

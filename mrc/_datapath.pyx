@@ -16,6 +16,7 @@ import ipaddress
 import operator
 import os
 import socket
+import errno as _errno
 import struct
 import time
 import weakref
@@ -35,10 +36,13 @@ _ERRORS = {
     c.MRC_ETRUNC: errors.TruncatedError,
     c.MRC_EUNREACH: errors.UnreachableError,
     c.MRC_EUSAGE: errors.UsageError,
-    c.MRC_ENOBUFS: errors.MrcError,
     c.MRC_ENOTMRC: errors.ProtocolError,
     c.MRC_EBUSY: errors.BusyError,
+    c.MRC_ERNR: errors.ReceiverNotReadyError,
 }
+
+# Slices of a blocking wait, so that close() from another thread is noticed.
+cdef int _SLICE_MS = 100
 
 _OP_KINDS = {c.MRC_OP_WRITE: "write", c.MRC_OP_SEND: "send", c.MRC_OP_RECV: "recv"}
 
@@ -49,10 +53,22 @@ def strerror(int rc) -> str:
 
 def error_for(int rc, str what) -> errors.MrcError:
     """The Python exception for a C return code, with what failed in its message."""
-    cls = _ERRORS.get(rc, errors.MrcError)
-    exc = cls(f"{what}: {c.mrc_strerror(rc).decode()}")
+    if rc == c.MRC_ENOBUFS:
+        exc = errors.system_error(_errno.ENOBUFS, f"{what}: {c.mrc_strerror(rc).decode()}")
+    elif -4096 < rc < 0:  # -errno
+        exc = errors.system_error(-rc, what)
+    else:
+        cls = _ERRORS.get(rc, errors.MrcError)
+        exc = cls(f"{what}: {c.mrc_strerror(rc).decode()}")
     exc.code = rc
     return exc
+
+
+cdef _wait_idle(obj, str what):
+    """Blocks (GIL released in between) until obj._busy_count() is 0: calls of
+    other threads that released the GIL with obj's C pointer have returned."""
+    while obj._busy_count():
+        time.sleep(0.001)
 
 
 cdef inline int check(int rc, what) except -1:
@@ -213,6 +229,10 @@ cdef class Endpoint:
     cdef c.mrc_ep *ep
     cdef object _children  # WeakSet of Connection, MemoryRegion, CompletionQueue
     cdef list _orphans     # regions of CQs collected with ops pending (CompletionQueue)
+    cdef list _dropped     # Operations dropped while pending: _Orphan (op + its region)
+    cdef list _late_regions  # registered while close() ran: views released after it
+    cdef int _busy         # calls running without the GIL on self.ep
+    cdef Py_ssize_t _reap_at  # reap _dropped when this many: amortised O(1) per post
     cdef readonly tuple planes
     cdef readonly int mss
     cdef readonly double timeout
@@ -221,10 +241,14 @@ cdef class Endpoint:
         self.ep = NULL
         self._children = weakref.WeakSet()
         self._orphans = []
+        self._dropped = []
+        self._late_regions = []
+        self._busy = 0
+        self._reap_at = 64
 
     def __init__(self, planes=("127.0.0.1",), *, int port=0, int mss=8192,
                  double timeout=5.0, int window=4096, int sockbuf=8 << 20,
-                 uint64_t max_unexpected=64 << 20):
+                 uint64_t max_unexpected=64 << 20, rnr_timeout=5.0):
         cdef c.mrc_ep_config cfg
         planes = [planes] if isinstance(planes, str) else list(planes)
         if not 1 <= len(planes) <= c.MRC_MAX_PLANES:
@@ -238,6 +262,9 @@ cdef class Endpoint:
             raise errors.UsageError(f"timeout must be > 0 seconds, got {timeout}")
         if not 0 <= port < 65536:
             raise errors.UsageError(f"port must be 0..65535, got {port}")
+        if rnr_timeout is not None and not 0 < rnr_timeout < 2**31 / 1000:
+            raise errors.UsageError(
+                f"rnr_timeout must be > 0 seconds (None: retry for ever), got {rnr_timeout}")
         c.mrc_ep_config_init(&cfg)
         cfg.nplanes = len(planes)
         for i, a in enumerate(planes):
@@ -248,6 +275,7 @@ cdef class Endpoint:
         cfg.window = window
         cfg.sockbuf = sockbuf
         cfg.max_unexpected = max_unexpected
+        cfg.rnr_timeout_ms = -1 if rnr_timeout is None else max(1, <int>(rnr_timeout * 1000))
         cdef int rc
         with nogil:
             rc = c.mrc_ep_create(&cfg, &self.ep)
@@ -272,6 +300,24 @@ cdef class Endpoint:
             raise errors.ConnectionClosedError("endpoint is closed")
         return self.ep
 
+    cdef c.mrc_ep *_enter(self) except NULL:
+        """_ptr() for a call that releases the GIL: close() waits for _leave()."""
+        cdef c.mrc_ep *ep = self._ptr()
+        self._busy += 1
+        return ep
+
+    cdef void _leave(self):
+        self._busy -= 1
+
+    def _busy_count(self) -> int:
+        return self._busy
+
+    def _reap(self) -> None:
+        """Forget dropped operations that have completed (their regions may go)."""
+        if len(self._dropped) >= self._reap_at:
+            self._dropped = [o for o in self._dropped if not o.done]
+            self._reap_at = max(64, 2 * len(self._dropped))
+
     def listen(self, port: int = 0, addr: str | None = None) -> int:
         """Accept connections on TCP `port` (0: an ephemeral one) of `addr`, by
         default of every plane's address (one port for all), so a client gets
@@ -282,12 +328,15 @@ cdef class Endpoint:
             _ip_literal(addr, "listen")
         cdef uint16_t bound = 0
         cdef int rc
-        cdef c.mrc_ep *ep = self._ptr()
         cdef uint16_t p = port
         b = addr.encode() if addr else b""
         cdef const char *a = b  # empty: every plane
-        with nogil:
-            rc = c.mrc_ep_listen(ep, a, p, &bound)
+        cdef c.mrc_ep *ep = self._enter()
+        try:
+            with nogil:
+                rc = c.mrc_ep_listen(ep, a, p, &bound)
+        finally:
+            self._leave()
         where = addr or ", ".join(sorted({pa for pa, _ in self.planes}))
         check(rc, lambda: f"Failed to listen on {where} port {port}")
         return bound
@@ -303,8 +352,9 @@ cdef class Endpoint:
         addrs = _resolve([addr] if isinstance(addr, str) else list(addr))
         cdef c.mrc_ep *ep = self._ptr()
         cdef c.mrc_conn *cp = NULL
+        cdef int ms = _ms(timeout)
         check(c.mrc_conn_create(ep, name.encode(), &cp), "Failed to create a connection")
-        conn = Connection._wrap(self, cp)
+        cdef Connection conn = Connection._wrap(self, cp)
         if paths:
             try:
                 conn._add_paths(paths)
@@ -312,7 +362,6 @@ cdef class Endpoint:
                 conn.close()
                 raise
         cdef int rc
-        cdef int ms = _ms(timeout)
         cdef int n = len(addrs)
         cdef uint16_t p = port
         cdef const char *av[16]
@@ -321,8 +370,12 @@ cdef class Endpoint:
         for i in range(n):
             av[i] = enc[i]
             errs[i] = 0
-        with nogil:
-            rc = c.mrc_conn_connect_any(cp, av, n, p, ms, errs)
+        cp = conn._enter()
+        try:
+            with nogil:
+                rc = c.mrc_conn_connect_any(cp, av, n, p, ms, errs)
+        finally:
+            conn._leave()
         if rc:
             conn.close()
             raise _connect_error(rc, addr, addrs, port, timeout,
@@ -334,26 +387,37 @@ cdef class Endpoint:
         `paths` may be a list (as for connect) or a callable taking the peer's
         name and returning that list. A client that hangs up or stalls during
         its set-up is dropped and the wait goes on."""
-        cdef c.mrc_ep *ep = self._ptr()
         cdef c.mrc_conn *cp = NULL
         cdef int rc
         cdef int ms
         # The rest of the set-up (our hello, the client's ready) gets the
         # endpoint's timeout, not what is left of the wait for a client.
         cdef int hs_ms = _ms(self.timeout)
+        cdef Connection conn = None
+        cdef c.mrc_ep *ep
         deadline = None if timeout is None else time.monotonic() + _ms(timeout) / 1000.0
         dropped = []
         while True:
             ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            with nogil:
-                rc = c.mrc_ep_accept(ep, ms, &cp)
+            # close() from another thread stops the listener (mrc_ep_unlisten: the
+            # accept returns ECLOSED) and waits for this call to leave.
+            conn = None
+            ep = self._enter()
+            try:
+                with nogil:
+                    rc = c.mrc_ep_accept(ep, ms, &cp)
+                if self.ep == NULL:  # closed meanwhile: mrc_ep_destroy frees cp
+                    raise errors.ConnectionClosedError("endpoint closed while accepting")
+                if rc == 0:  # a child before we leave: a racing close() then sees it
+                    conn = Connection._wrap(self, cp)
+            finally:
+                self._leave()
             if rc == c.MRC_ETIMEOUT:
                 why = f" ({len(dropped)} dropped during set-up, last: {dropped[-1]})" if dropped else ""
-                raise errors.TimeoutError(f"no peer connected within {timeout} s{why}")
+                raise errors.WaitTimeout(f"no peer connected within {timeout} s{why}")
             if rc == c.MRC_EUSAGE:
                 raise errors.UsageError("accept() before listen(): call listen() first")
             check(rc, "Failed to accept a connection")
-            conn = Connection._wrap(self, cp)
             try:
                 if callable(paths):
                     paths = paths(conn.peer_name)
@@ -362,8 +426,12 @@ cdef class Endpoint:
             except BaseException:
                 conn.close()
                 raise
-            with nogil:
-                rc = c.mrc_conn_establish(cp, hs_ms)
+            cp = conn._enter()
+            try:
+                with nogil:
+                    rc = c.mrc_conn_establish(cp, hs_ms)
+            finally:
+                conn._leave()
             if rc == 0:
                 return conn
             peer = conn.peer_name or "a client"
@@ -382,11 +450,30 @@ cdef class Endpoint:
             raise error_for(rc, what)
 
     def register(self, obj, *, bint remote_write=True) -> MemoryRegion:
-        """Register a writable buffer (bytearray, numpy array, memoryview...).
-        The region keeps a reference to `obj` until closed."""
-        mr = MemoryRegion._make(self, obj, remote_write)
-        self._children.add(mr)
-        return mr
+        """Register a buffer (bytearray, numpy array, memoryview, bytes...). With
+        remote_write=True (the default) peers may WRITE into it, so it must be
+        writable; with remote_write=False a read-only buffer is accepted too (it can
+        then only be a SEND or WRITE source). The region keeps a reference to `obj`
+        until closed."""
+        return MemoryRegion._make(self, obj, remote_write, 0, 0)
+
+    def register_address(self, uintptr_t address, uint64_t length, owner, *,
+                         bint remote_write=False, bint readonly=False) -> MemoryRegion:
+        """Register `length` bytes of raw memory at `address` (a torch tensor's
+        data_ptr(), a DLPack capsule's data, pinned host memory...). `owner` is kept
+        referenced until the region is closed: it must keep the memory alive and
+        in place. readonly=True: the memory is only read (a SEND or WRITE
+        source; RECVs into it are refused)."""
+        if address == 0 and length:
+            raise errors.UsageError(f"register_address: address 0 with length {length}")
+        if remote_write and readonly:
+            raise errors.UsageError("register_address: a readonly region cannot allow "
+                                    "remote_write")
+        if owner is None:
+            raise errors.UsageError("register_address: an owner that keeps the memory "
+                                    "alive is required")
+        return MemoryRegion._make(self, owner, remote_write, address, length,
+                                  raw=True, readonly=readonly)
 
     def create_cq(self) -> CompletionQueue:
         """A completion queue on this endpoint (same as CompletionQueue(self))."""
@@ -408,12 +495,16 @@ cdef class Endpoint:
         cdef int cap = 1024
         cdef c.mrc_path_stats *ps = <c.mrc_path_stats *>malloc(cap * sizeof(c.mrc_path_stats))
         cdef int rc
-        cdef c.mrc_ep *ep = self._ptr()
+        cdef c.mrc_ep *ep = self._enter()
         if ps == NULL:
+            self._leave()
             raise MemoryError()
         try:
-            with nogil:
-                rc = c.mrc_ep_get_stats(ep, &st, ps, cap)
+            try:
+                with nogil:
+                    rc = c.mrc_ep_get_stats(ep, &st, ps, cap)
+            finally:
+                self._leave()
             check(rc, "Failed to read endpoint stats")
             paths = []
             for i in range(st.npaths):
@@ -463,17 +554,23 @@ cdef class Endpoint:
         b = src_addr.encode()
         cdef const char *a = b
         cdef int rc
-        cdef c.mrc_ep *ep = self._ptr()
         cdef size_t n = pkt.shape[0]
         cdef const unsigned char *p = &pkt[0] if n else NULL
-        with nogil:
-            rc = c.mrc_ep_rx_inject(ep, plane, p, n, a, <uint16_t>src_port)
+        cdef c.mrc_ep *ep = self._enter()
+        try:
+            with nogil:
+                rc = c.mrc_ep_rx_inject(ep, plane, p, n, a, <uint16_t>src_port)
+        finally:
+            self._leave()
         check(rc, "rx_inject")
 
     def close(self) -> None:
-        """Close every connection and region, then stop the progress thread.
+        """Close every connection (their pending operations fail with
+        ConnectionClosedError), then every region, then stop the progress thread.
         Completion queues are shut down first (a thread in cq.wait() gets
-        ConnectionClosedError) and freed with the endpoint."""
+        ConnectionClosedError) and freed with the endpoint. Calls of other threads
+        inside the endpoint end first (a blocked accept() is woken and raises
+        ConnectionClosedError)."""
         if self.ep == NULL:
             return
         children = list(self._children)
@@ -484,14 +581,33 @@ cdef class Endpoint:
         # once now, but the CQ must not be freed before it has.
         while any((<CompletionQueue>q)._busy for q in cqs):
             time.sleep(0.001)
+        regions = []
         for child in children:
-            if not isinstance(child, CompletionQueue):
+            if isinstance(child, MemoryRegion):
+                regions.append(child)
+            elif not isinstance(child, CompletionQueue):
                 child.close()
+        for mr in regions:
+            (<MemoryRegion>mr)._abandon()  # freed by mrc_ep_destroy, after every op
+        cdef c.mrc_ep *ep = self.ep
+        self.ep = NULL  # no new call from here on
+        c.mrc_ep_unlisten(ep)  # a blocked accept() returns
+        _wait_idle(self, "endpoint")
+        for child in list(self._children):  # made by calls that were inside
+            if isinstance(child, Connection):
+                (<Connection>child).conn = NULL  # mrc_ep_destroy frees it
+            elif isinstance(child, MemoryRegion) and (<MemoryRegion>child).mr != NULL:
+                (<MemoryRegion>child)._abandon()
+                regions.append(child)
         with nogil:
-            c.mrc_ep_destroy(self.ep)
-        self.ep = NULL
+            c.mrc_ep_destroy(ep)
         for q in cqs:
             (<CompletionQueue>q)._detach()
+        # Every operation has completed: the buffers may go.
+        for mr in regions + self._late_regions:
+            (<MemoryRegion>mr)._release_view()
+        self._late_regions = []
+        self._dropped = []
         self._orphans.clear()
 
     @property
@@ -525,34 +641,74 @@ cdef class MemoryRegion:
     cdef readonly Endpoint endpoint
     cdef readonly object obj
     cdef readonly uint64_t size
+    cdef readonly bint readonly  # a SEND/WRITE source only (RECVs refused)
 
     def __cinit__(self):
         self.mr = NULL
         self.has_view = False
 
     @staticmethod
-    cdef MemoryRegion _make(Endpoint ep, object obj, bint remote_write):
+    cdef MemoryRegion _make(Endpoint ep, object obj, bint remote_write, uintptr_t address,
+                            uint64_t length, bint raw=False, bint readonly=False):
         cdef MemoryRegion self = MemoryRegion.__new__(MemoryRegion)
-        cdef c.mrc_ep *e = ep._ptr()
-        try:
-            PyObject_GetBuffer(obj, &self.view, PyBUF_WRITABLE)
-        except (BufferError, ValueError):  # numpy says read-only with a ValueError
-            raise errors.UsageError(
-                f"cannot register {type(obj).__name__}: it must be a writable, "
-                "contiguous buffer (bytearray, numpy array, writable memoryview)") from None
-        self.has_view = True
+        ep._ptr()
+        cdef void *buf
+        if raw:
+            buf = <void *>address
+            self.size = length
+            self.readonly = readonly
+        else:
+            try:
+                PyObject_GetBuffer(obj, &self.view, PyBUF_WRITABLE)
+            except (BufferError, ValueError):  # numpy says read-only with a ValueError
+                if remote_write:
+                    raise errors.UsageError(
+                        f"cannot register {type(obj).__name__} with remote_write=True: it "
+                        "must be a writable, contiguous buffer (bytearray, numpy array, "
+                        "writable memoryview); use remote_write=False for a read-only "
+                        "source") from None
+                try:
+                    PyObject_GetBuffer(obj, &self.view, PyBUF_SIMPLE)
+                except (BufferError, ValueError):
+                    raise errors.UsageError(
+                        f"cannot register {type(obj).__name__}: it must be a contiguous "
+                        "buffer (bytes, bytearray, numpy array, memoryview)") from None
+                self.readonly = True
+            self.has_view = True
+            buf = self.view.buf
+            self.size = self.view.len
         self.endpoint = ep
         self.obj = obj
-        self.size = self.view.len
         cdef int rc
         cdef int access = c.MRC_ACCESS_REMOTE_WRITE if remote_write else 0
-        with nogil:
-            rc = c.mrc_mr_reg(e, self.view.buf, self.view.len, access, &self.mr)
+        if self.readonly:
+            access |= c.MRC_ACCESS_READONLY
+        cdef size_t n = self.size
+        cdef c.mrc_ep *e = ep._enter()
+        try:
+            with nogil:
+                rc = c.mrc_mr_reg(e, buf, n, access, &self.mr)
+            if rc == 0 and ep.ep == NULL:  # closed meanwhile: mrc_ep_destroy frees it
+                self.mr = NULL
+                ep._late_regions.append(self)  # the view goes after mrc_ep_destroy
+                raise errors.ConnectionClosedError("endpoint closed while registering")
+            if rc == 0:  # a child before we leave: a racing close() then sees it
+                ep._children.add(self)
+        finally:
+            ep._leave()
         if rc:
-            PyBuffer_Release(&self.view)
-            self.has_view = False
+            self._release_view()
             raise error_for(rc, f"Failed to register region of {self.size} bytes")
         return self
+
+    cdef void _abandon(self):
+        """The endpoint is closing and frees the C region itself, after every op."""
+        self.mr = NULL
+
+    cdef void _release_view(self):
+        if self.has_view:
+            PyBuffer_Release(&self.view)
+            self.has_view = False
 
     cdef c.mrc_mr *_ptr(self) except NULL:
         if self.mr == NULL:
@@ -568,14 +724,23 @@ cdef class MemoryRegion:
         return RemoteRegion(self.key, self.size)
 
     def close(self) -> None:
-        """Deregister: once this returns, no remote WRITE lands here any more."""
-        if self.mr != NULL:
-            with nogil:
-                c.mrc_mr_dereg(self.mr)
-            self.mr = NULL
-        if self.has_view:
-            PyBuffer_Release(&self.view)
-            self.has_view = False
+        """Deregister: once this returns, no remote WRITE lands here any more and the
+        transport no longer reads the buffer. Raises BusyError (and stays
+        registered) while operations posted with it are pending: wait for them, or
+        close their connection, first."""
+        if self.mr == NULL:
+            self._release_view()
+            return
+        # With the GIL held: no post from another thread can slip in between.
+        cdef int rc = c.mrc_mr_dereg(self.mr)
+        if rc == c.MRC_EBUSY:
+            n = c.mrc_mr_pending(self.mr)
+            raise errors.BusyError(
+                f"cannot close a region of {self.size} bytes: {n} operation"
+                f"{'' if n == 1 else 's'} using it {'is' if n == 1 else 'are'} still pending "
+                "(wait for them or close their connection first)")
+        self.mr = NULL
+        self._release_view()
 
     def __enter__(self):
         return self
@@ -584,14 +749,22 @@ cdef class MemoryRegion:
         self.close()
 
     def __dealloc__(self):
-        self.close()
+        # Every pending op holds a reference to its region (Operation.region, or
+        # the endpoint's orphan list), so a region being freed is idle; should it
+        # not be, the buffer is leaked rather than freed under the transport.
+        if self.mr != NULL:
+            if c.mrc_mr_dereg(self.mr) != 0:
+                return
+            self.mr = NULL
+        self._release_view()
 
     def __len__(self) -> int:
         return self.size
 
     def __repr__(self) -> str:
         key = f"{c.mrc_mr_key(self.mr):#x}" if self.mr != NULL else "closed"
-        return f"<mrc.MemoryRegion {self.size} bytes key={key}>"
+        ro = " readonly" if self.readonly else ""
+        return f"<mrc.MemoryRegion {self.size} bytes{ro} key={key}>"
 
 
 cdef class Connection:
@@ -600,11 +773,13 @@ cdef class Connection:
     cdef c.mrc_conn *conn
     cdef object __weakref__
     cdef readonly Endpoint endpoint
+    cdef int _busy  # calls running without the GIL on self.conn
     cdef object _cq  # the CompletionQueue bound with set_cq: kept alive while bound
     cdef object _users  # WeakSet of CollExecutor holding this connection's pointer
 
     def __cinit__(self):
         self.conn = NULL
+        self._busy = 0
         self._cq = None
         self._users = None
 
@@ -620,6 +795,18 @@ cdef class Connection:
         if self.conn == NULL:
             raise errors.ConnectionClosedError("connection is closed")
         return self.conn
+
+    cdef c.mrc_conn *_enter(self) except NULL:
+        """_ptr() for a call that releases the GIL: close() waits for _leave()."""
+        cdef c.mrc_conn *cp = self._ptr()
+        self._busy += 1
+        return cp
+
+    cdef void _leave(self):
+        self._busy -= 1
+
+    def _busy_count(self) -> int:
+        return self._busy
 
     def _add_paths(self, paths) -> None:
         cdef c.mrc_path_spec spec
@@ -645,6 +832,9 @@ cdef class Connection:
             raise errors.UsageError(f"{what}: a MemoryRegion is required")
         if mr.endpoint is not self.endpoint:
             raise errors.UsageError(f"{what}: the region belongs to another endpoint")
+        if what == "recv" and mr.readonly:
+            raise errors.UsageError(f"recv: the {mr.size}-byte region is read-only")
+        self.endpoint._reap()
         cdef uint64_t n = mr.size - offset if length is None else length
         if offset > mr.size or n > mr.size - offset:
             raise errors.UsageError(
@@ -761,12 +951,23 @@ cdef class Connection:
         cdef uint32_t imm = 0
         cdef uint64_t n = 0
         cdef int ms = _ms(timeout)
-        cdef c.mrc_conn *cp = self._ptr()
-        cdef int rc
-        with nogil:
-            rc = c.mrc_conn_wait_imm(cp, ms, &imm, &n)
-        if rc == -110:  # -ETIMEDOUT: nothing yet
-            raise errors.TimeoutError(f"no immediate arrived within {timeout} s")
+        cdef int rc, slice_ms
+        deadline = None if ms < 0 else time.monotonic() + ms / 1000.0
+        # In slices, so that close() from another thread is seen within one.
+        while True:
+            slice_ms = _SLICE_MS
+            if deadline is not None:
+                slice_ms = max(0, min(slice_ms, <int>((deadline - time.monotonic()) * 1000)))
+            cp = self._enter()
+            try:
+                with nogil:
+                    rc = c.mrc_conn_wait_imm(cp, slice_ms, &imm, &n)
+            finally:
+                self._leave()
+            if rc != -ETIMEDOUT or (deadline is not None and time.monotonic() >= deadline):
+                break
+        if rc == -ETIMEDOUT:  # nothing yet: retryable
+            raise errors.WaitTimeout(f"no immediate arrived within {timeout} s")
         check(rc, "Failed to wait for an immediate")
         return imm, n
 
@@ -809,10 +1010,19 @@ cdef class Connection:
         users, self._users = self._users, None
         for u in list(users or ()):
             (<CollExecutor>u)._conn_closing()
-        if self.conn != NULL:
-            with nogil:
-                c.mrc_conn_destroy(self.conn)
-            self.conn = NULL
+        cdef c.mrc_conn *cp = self.conn
+        if cp != NULL:
+            self.conn = NULL  # before the GIL goes: no other thread may use it now
+            # Busy on the endpoint too, before the GIL can go: Endpoint.close() in
+            # another thread waits for this destroy before it frees the endpoint.
+            ep = self.endpoint
+            (<Endpoint>ep)._busy += 1
+            try:
+                _wait_idle(self, "connection")  # wait_imm() sees it within a slice
+                with nogil:
+                    c.mrc_conn_destroy(cp)
+            finally:
+                (<Endpoint>ep)._busy -= 1
         if self._cq is not None:
             (<CompletionQueue>self._cq)._bound.discard(self)
             self._cq = None
@@ -861,11 +1071,13 @@ cdef class Operation:
         mrc.TimeoutError if it is still pending after `timeout` seconds."""
         cdef int ms = _ms(timeout)
         cdef int rc
+        # Safe after the endpoint closed: the op keeps the endpoint's core alive.
         with nogil:
             rc = c.mrc_op_wait(self.op, ms)
         if rc:
-            raise errors.TimeoutError(
-                f"{self.kind} of {self.length} bytes still pending after {timeout} s")
+            raise errors.WaitTimeout(
+                f"{self.kind} of {self.length} bytes still pending after {timeout} s "
+                "(wait again to keep waiting)")
         r = self._result()
         if r.status:
             raise error_for(r.status, f"{self.kind} of {self.length} bytes failed")
@@ -895,13 +1107,44 @@ cdef class Operation:
         return self._result().tag
 
     def __dealloc__(self):
-        if self.op != NULL:
+        if self.op == NULL:
+            return
+        # Dropped while pending: its region (and buffer) must outlive it, so the
+        # endpoint keeps both until the op completes (Endpoint._reap).
+        ep = self.connection.endpoint if self.connection is not None else None
+        if (ep is not None and not (<Endpoint>ep).closed and self.region is not None
+                and not c.mrc_op_done(self.op)):
+            (<Endpoint>ep)._dropped.append(_Orphan._make(self.op, self.region))
+        else:
             c.mrc_op_release(self.op)
-            self.op = NULL
+        self.op = NULL
 
     def __repr__(self) -> str:
         state = "done" if self.done else "pending"
         return f"<mrc.Operation {self.kind} {self.length} bytes {state}>"
+
+
+cdef class _Orphan:
+    """A pending operation whose Operation was dropped, and the region it uses."""
+
+    cdef c.mrc_op *op
+    cdef MemoryRegion region
+
+    @staticmethod
+    cdef _Orphan _make(c.mrc_op *op, MemoryRegion region):
+        cdef _Orphan self = _Orphan.__new__(_Orphan)
+        self.op = op
+        self.region = region
+        return self
+
+    @property
+    def done(self) -> bool:
+        return c.mrc_op_done(self.op) != 0
+
+    def __dealloc__(self):
+        if self.op != NULL:
+            c.mrc_op_release(self.op)
+            self.op = NULL
 
 
 cdef object _wc_dtype = None

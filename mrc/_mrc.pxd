@@ -1,5 +1,5 @@
 # Mirrors src_c/include/mrc.h. C names appear nowhere else in the package.
-from libc.stdint cimport uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, uint16_t, uint32_t, uint64_t
 
 
 cdef extern from "mrc.h" nogil:
@@ -9,6 +9,7 @@ cdef extern from "mrc.h" nogil:
         MRC_MAX_SEGS
         MRC_ADDR_STRLEN
         MRC_ACCESS_REMOTE_WRITE
+        MRC_ACCESS_READONLY
         MRC_WRITE_IMM
         MRC_DROP_MAX
         MRC_EKEY
@@ -24,6 +25,7 @@ cdef extern from "mrc.h" nogil:
         MRC_ENOBUFS
         MRC_ENOTMRC
         MRC_EBUSY
+        MRC_ERNR
         MRC_EABORT
         MRC_EMISMATCH
         MRC_OP_WRITE
@@ -55,6 +57,7 @@ cdef extern from "mrc.h" nogil:
         uint32_t sockbuf
         uint32_t window
         uint64_t max_unexpected
+        int32_t rnr_timeout_ms
 
     void mrc_ep_config_init(mrc_ep_config *cfg)
     int mrc_ep_create(const mrc_ep_config *cfg, mrc_ep **out)
@@ -71,6 +74,7 @@ cdef extern from "mrc.h" nogil:
         char segs[8][64]
 
     int mrc_ep_listen(mrc_ep *ep, const char *addr, uint16_t port, uint16_t *bound_port)
+    int mrc_ep_unlisten(mrc_ep *ep)
     int mrc_conn_create(mrc_ep *ep, const char *name, mrc_conn **out)
     int mrc_conn_add_path(mrc_conn *c, const mrc_path_spec *p)
     int mrc_conn_connect(mrc_conn *c, const char *addr, uint16_t port, int timeout_ms)
@@ -86,7 +90,8 @@ cdef extern from "mrc.h" nogil:
 
     int mrc_mr_reg(mrc_ep *ep, void *addr, size_t len, int access, mrc_mr **out)
     uint64_t mrc_mr_key(const mrc_mr *mr)
-    void mrc_mr_dereg(mrc_mr *mr)
+    int mrc_mr_dereg(mrc_mr *mr)
+    int mrc_mr_pending(const mrc_mr *mr)
 
     int mrc_post_write(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_t rkey,
                        uint64_t roff, uint32_t imm, int flags, mrc_op **out)
@@ -149,7 +154,7 @@ cdef extern from "mrc.h" nogil:
         uint64_t state_changes
 
     struct mrc_ep_stats:
-        uint64_t drops[32]
+        uint64_t drops[MRC_DROP_MAX]
         uint64_t tx_pkts, rx_pkts, tx_bytes, rx_bytes, retx, acks_tx, acks_rx
         uint64_t acked_bytes, rnr_naks, staged_bytes, staged_msgs
         uint64_t lost_rack, lost_rto, lost_flush, probe_timeouts, link_events

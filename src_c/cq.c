@@ -52,9 +52,7 @@ static void ent_release(struct cq_ent *e)
         free(e);
         return;
     }
-    mrc_op *op = e->op;
-    if (atomic_fetch_sub(&op->refs, 1) == 1)
-        free(op);
+    op_unref(e->op); /* the op's last reference also drops its endpoint's */
 }
 
 /* Entries taken off a queue: the ops' references are dropped outside the
@@ -287,6 +285,9 @@ int conn_imm_pt(mrc_conn *c, uint32_t imm, uint64_t len)
                                     .imm = imm, .conn = c}};
         cq_push_locked(c->cq, e);
         e = NULL;
+        /* MRC_IMM_MAX bounds the connection's own list (rx.c); a CQ entry is
+         * not on it, so it counts as taken at once. */
+        atomic_fetch_add(&c->imm_taken, 1);
     } else if (!c->cq && ev) {
         *ev = (struct imm_ev){.imm = imm, .len = len};
         if (c->imm_tail)

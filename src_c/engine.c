@@ -88,11 +88,10 @@ void conn_fail_pt(mrc_conn *c, int err, int op_err)
     c->error = err;
     pthread_cond_broadcast(&ep->cv);
     pthread_mutex_unlock(&ep->lock);
-    int saved = c->error;
-    c->error = op_err;
-    tx_release_pt(c);
-    rx_release_pt(c);
-    c->error = saved;
+    /* op_err is passed, not parked in c->error: API threads read c->error
+     * under the lock at any time (was: written here without it). */
+    tx_release_pt(c, op_err);
+    rx_release_pt(c, op_err);
     active_unlink(ep, c);
 }
 
@@ -209,6 +208,9 @@ void ep_ctl_run_pt(mrc_ep *ep, struct ctl *x)
     case CTL_RX_INJECT:
         testing_rx_inject_pt(ep, x->arg);
         break;
+    case CTL_TX_STALL:
+        ep->tx_stall = x->iarg != 0;
+        break;
     case CTL_INJECT:
         ep->planes[x->iarg].tx_loss = *(double *)x->arg;
         ep->planes[x->iarg].down = *(int *)x->arg2 != 0;
@@ -246,6 +248,7 @@ static bool engine_drain(mrc_ep *ep)
     if (ctls) {
         for (struct ctl *x = ctls; x; x = x->next)
             ep_ctl_run_pt(ep, x);
+        ep_hold_pt(ep, false);
         ep_publish_pt(ep); /* ops failed by a CONN_DEL complete first */
         pthread_mutex_lock(&ep->lock);
         for (struct ctl *x = ctls, *n; x; x = n) {
@@ -304,7 +307,12 @@ static void engine_conn_timers(mrc_ep *ep, mrc_conn *c, uint64_t now)
     else if (!c->all_failed_since)
         c->all_failed_since = now;
     uint64_t limit = (uint64_t)ep->cfg.timeout_ms * 1000000ull;
-    if (c->txops_head && now - c->last_progress_ns > limit)
+    /* A peer that keeps refusing (receiver not ready) counts as alive for
+     * the timeout below; the RNR limit bounds how long we keep asking. */
+    int32_t rnr = ep->cfg.rnr_timeout_ms;
+    if (c->rnr_backoff && rnr >= 0 && now - c->rnr_since > (uint64_t)rnr * 1000000ull)
+        conn_fail_pt(c, MRC_ERNR, MRC_ERNR);
+    else if (c->txops_head && now - c->last_progress_ns > limit)
         conn_fail_pt(c, all_failed ? MRC_EPATHDOWN : MRC_ETIMEOUT,
                      all_failed ? MRC_EPATHDOWN : MRC_ETIMEOUT);
     else if (busy && all_failed && now - c->all_failed_since > limit)
@@ -395,6 +403,7 @@ void *engine_main(void *arg)
                     break;
             }
         }
+        rx_copy_run_pt(ep); /* staged messages, a slice per pass */
         uint64_t now = now_ns();
         if (ep->nl_ready) {
             ep->nl_ready = false;
@@ -410,6 +419,7 @@ void *engine_main(void *arg)
             if (tx_run_pt(c))
                 ep->work = true;
         sock_flush_all_pt(ep);
+        ep_hold_pt(ep, false);
         ep_publish_pt(ep);
         ep->st.loop_iters++;
         if (!ep->work)
@@ -419,6 +429,18 @@ void *engine_main(void *arg)
     while (ep->pt_conns)
         conn_del_pt(ep, ep->pt_conns);
     sock_flush_all_pt(ep);
+    /* What the kernel still refuses is never sent: give it up, so no
+     * pointer into a caller's buffer outlives the completions below. */
+    for (int i = 0; i < ep->nsocks; i++) {
+        struct txbatch *b = &ep->socks[i]->batch;
+        b->retired += (uint64_t)b->n;
+        b->n = b->sent = 0;
+    }
+    ep_hold_pt(ep, true);
     ep_publish_pt(ep);
+    pthread_mutex_lock(&ep->lock);
+    ep->stopped = true; /* ep_ctl callers may answer now */
+    pthread_cond_broadcast(&ep->cv);
+    pthread_mutex_unlock(&ep->lock);
     return NULL;
 }

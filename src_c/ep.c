@@ -37,6 +37,7 @@ const char *mrc_strerror(int rc)
     case MRC_EMISMATCH: return "ranks called the collective with different arguments";
     case MRC_ENOTMRC: return "not an mrc endpoint (it answered in another protocol)";
     case MRC_EBUSY: return "still in use by pending operations";
+    case MRC_ERNR: return "receiver not ready: the peer posted no RECV (or took no immediate) within the RNR limit";
     default: return rc < 0 && rc > -4096 ? strerror(-rc) : "unknown error";
     }
 }
@@ -163,6 +164,10 @@ int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out)
         ep->cfg.window = 4096;
     if (!ep->cfg.max_unexpected)
         ep->cfg.max_unexpected = 64ull << 20;
+    if (!ep->cfg.rnr_timeout_ms)
+        ep->cfg.rnr_timeout_ms = (int32_t)(ep->cfg.timeout_ms > INT32_MAX ? INT32_MAX
+                                                                          : ep->cfg.timeout_ms);
+    atomic_init(&ep->refs, 1);
     ep->nplanes = cfg->nplanes;
     ep->epfd = ep->evfd = ep->nl_fd = -1;
     ep->rng = rand_u64() | 1;
@@ -258,6 +263,14 @@ void mrc_ep_destroy(mrc_ep *ep)
     close(ep->epfd);
     close(ep->evfd);
     free(ep->rxbuf);
+    ep->rxbuf = NULL;
+    ep_unref(ep); /* ops still held by the caller keep the lock alive */
+}
+
+void ep_unref(mrc_ep *ep)
+{
+    if (atomic_fetch_sub(&ep->refs, 1) != 1)
+        return;
     pthread_mutex_destroy(&ep->lock);
     pthread_cond_destroy(&ep->cv);
     for (int i = 0; i < MRC_OP_CVS; i++)
@@ -293,6 +306,11 @@ int ep_ctl(mrc_ep *ep, struct ctl *c)
     c->next = NULL;
     pthread_mutex_lock(&ep->lock);
     if (ep->stopping) {
+        /* Not before the thread has returned: until then it may still touch
+         * the object this request is about (a connection or region that the
+         * caller frees as soon as we answer). */
+        while (!ep->stopped)
+            pthread_cond_wait(&ep->cv, &ep->lock);
         pthread_mutex_unlock(&ep->lock);
         return MRC_ECLOSED;
     }
@@ -329,7 +347,8 @@ int mrc_ep_get_stats(mrc_ep *ep, struct mrc_ep_stats *st, struct mrc_path_stats 
 
 int mrc_mr_reg(mrc_ep *ep, void *addr, size_t len, int access, mrc_mr **out)
 {
-    if ((!addr && len) || (access & ~MRC_ACCESS_REMOTE_WRITE))
+    if ((!addr && len) || (access & ~(MRC_ACCESS_REMOTE_WRITE | MRC_ACCESS_READONLY)) ||
+        ((access & MRC_ACCESS_REMOTE_WRITE) && (access & MRC_ACCESS_READONLY)))
         return MRC_EUSAGE;
     mrc_mr *mr = calloc(1, sizeof(*mr));
     if (!mr)
@@ -377,14 +396,36 @@ int mrc_mr_reg(mrc_ep *ep, void *addr, size_t len, int access, mrc_mr **out)
 
 uint64_t mrc_mr_key(const mrc_mr *mr) { return mr->key; }
 
-void mrc_mr_dereg(mrc_mr *mr)
+int mrc_mr_pending(const mrc_mr *mr)
+{
+    mrc_ep *ep = mr->ep;
+    pthread_mutex_lock(&ep->lock);
+    int n = mr->ops;
+    pthread_mutex_unlock(&ep->lock);
+    return n;
+}
+
+int mrc_mr_dereg(mrc_mr *mr)
 {
     if (!mr)
-        return;
+        return 0;
     mrc_ep *ep = mr->ep;
+    /* As verbs (EBUSY from ibv_dereg_mr while bound): the progress thread
+     * reads the region for every (re)transmission and writes it for every
+     * RECV until the op completes, so freeing it earlier is a use after
+     * free. Ops hold a count until their completion is published, which is
+     * only once no socket batch holds their packets (ep_hold_pt). */
+    pthread_mutex_lock(&ep->lock);
+    if (mr->ops) {
+        pthread_mutex_unlock(&ep->lock);
+        return MRC_EBUSY;
+    }
+    mr->dereg = true; /* op_post refuses it from here on */
+    pthread_mutex_unlock(&ep->lock);
     struct ctl c = {.type = CTL_MR_DEL, .arg = mr};
     ep_ctl(ep, &c); /* fails only if the engine stopped, which also unmaps it */
     mr_free(mr);
+    return 0;
 }
 
 static void mr_free(mrc_mr *mr)
@@ -406,14 +447,19 @@ static int op_post(mrc_conn *c, mrc_op *op, mrc_op **out)
     mrc_ep *ep = c->ep;
     atomic_init(&op->refs, 1 + (out != NULL) + (op->cq != NULL));
     pthread_mutex_lock(&ep->lock);
-    if (ep->stopping || c->state != CONN_ACTIVE || (op->cq && op->cq->shut)) {
-        int err = c->state == CONN_ACTIVE ? MRC_ECLOSED : (c->error ? c->error : MRC_ECLOSED);
+    if (ep->stopping || c->state != CONN_ACTIVE || (op->cq && op->cq->shut) || op->mr->dereg) {
+        int err = op->mr->dereg ? MRC_EUSAGE
+                  : c->state == CONN_ACTIVE ? MRC_ECLOSED
+                                            : (c->error ? c->error : MRC_ECLOSED);
         pthread_mutex_unlock(&ep->lock);
         free(op);
         return err;
     }
     if (op->cq)
         op->cq->npending++;
+    op->mr->ops++; /* until published: mrc_mr_dereg refuses meanwhile */
+    op->mr_counted = true;
+    atomic_fetch_add(&ep->refs, 1); /* dropped when the op is freed */
     op->qnext = NULL;
     if (ep->subq_tail)
         ep->subq_tail->qnext = op;
@@ -432,7 +478,8 @@ static int op_post(mrc_conn *c, mrc_op *op, mrc_op **out)
 static mrc_op *op_new(mrc_conn *c, const struct mrc_wr *wr)
 {
     mrc_mr *lmr = wr->mr;
-    if (!lmr || lmr->ep != c->ep || wr->len > lmr->len || wr->loff > lmr->len - wr->len)
+    if (!lmr || lmr->ep != c->ep || wr->len > lmr->len || wr->loff > lmr->len - wr->len ||
+        (wr->kind == MRC_OP_RECV && (lmr->access & MRC_ACCESS_READONLY)))
         return NULL;
     mrc_op *op = calloc(1, sizeof(*op));
     if (!op)
@@ -490,10 +537,13 @@ int mrc_post_recv(mrc_conn *c, mrc_mr *lmr, uint64_t loff, uint64_t len, uint64_
     return out ? mrc_post(c, &wr, out) : MRC_EUSAGE;
 }
 
-static void op_unref(mrc_op *op)
+void op_unref(mrc_op *op)
 {
-    if (atomic_fetch_sub(&op->refs, 1) == 1)
+    if (atomic_fetch_sub(&op->refs, 1) == 1) {
+        mrc_ep *ep = op->ep;
         free(op);
+        ep_unref(ep);
+    }
 }
 
 /* Waits on cv, with ep->lock held, until ready(arg) or timeout_ms pass
@@ -568,6 +618,7 @@ int mrc_conn_wait_imm(mrc_conn *c, int timeout_ms, uint32_t *imm, uint64_t *len)
         c->imm_head = ev->next;
         if (!c->imm_head)
             c->imm_tail = NULL;
+        atomic_fetch_add(&c->imm_taken, 1); /* room for one more (MRC_IMM_MAX) */
     }
     int state = c->state, err = c->error;
     pthread_mutex_unlock(&ep->lock);
@@ -608,6 +659,10 @@ void ep_publish_pt(mrc_ep *ep)
     for (mrc_op *op = list; op; op = op->qnext) {
         op->status = op->pt_status;
         op->done = 1;
+        if (op->mr_counted) {
+            op->mr->ops--;
+            op->mr_counted = false;
+        }
         if (op->waiters)
             wake |= 1u << op_cv_index(op);
         if (op->cq) {
@@ -626,4 +681,81 @@ void ep_publish_pt(mrc_ep *ep)
         n = op->qnext;
         op_unref(op);
     }
+}
+
+/* ---- completions held while their packets may still be read -------------- */
+
+/* A batch that sendmmsg did not take completely (EAGAIN) keeps pointers into
+ * the callers' buffers until a later pass sends it. An op whose last packet
+ * was acknowledged meanwhile (its original arrived; the copy in the batch is
+ * a retransmission) or that failed (connection closed) must not be reported
+ * complete yet: the caller would reuse or free the buffer, or deregister the
+ * region, and the retransmission would read it. So completions wait until
+ * every socket has sent what it held when they were made. */
+
+static bool batches_unsent(const mrc_ep *ep)
+{
+    for (int i = 0; i < ep->nsocks; i++)
+        if (ep->socks[i]->batch.sent < ep->socks[i]->batch.n)
+            return true;
+    return false;
+}
+
+static void held_snapshot(mrc_ep *ep)
+{
+    for (int i = 0; i < ep->nsocks; i++) {
+        const struct txbatch *b = &ep->socks[i]->batch;
+        ep->held_need[i] = b->retired + (uint64_t)b->n;
+    }
+}
+
+static bool held_sent(const mrc_ep *ep)
+{
+    for (int i = 0; i < ep->nsocks; i++) {
+        const struct txbatch *b = &ep->socks[i]->batch;
+        if (b->retired + (uint64_t)b->sent < ep->held_need[i])
+            return false;
+    }
+    return true;
+}
+
+/* Lists are newest first, as ep->done_head is (ep_publish_pt reverses it). */
+static void oplist_prepend(mrc_op **head, mrc_op *newer)
+{
+    if (!newer)
+        return;
+    mrc_op *last = newer;
+    while (last->qnext)
+        last = last->qnext;
+    last->qnext = *head;
+    *head = newer;
+}
+
+/* Runs before ep_publish_pt: leaves in ep->done_head only the completions
+ * that may be seen now, in completion order. force: the sockets will never
+ * send again (stopping; the caller discarded their batches): release all.
+ * A held list implies an unsent batch, so the loop sleeps at most a timer
+ * tick (engine_sleep) before it retries the send and looks again. */
+void ep_hold_pt(mrc_ep *ep, bool force)
+{
+    mrc_op *fresh = ep->done_head, *out = NULL;
+    ep->done_head = NULL;
+    while (ep->held && (force || held_sent(ep))) {
+        oplist_prepend(&out, ep->held); /* oldest first: each later one goes in front */
+        ep->held = ep->next_held;
+        ep->next_held = NULL;
+        if (ep->held)
+            held_snapshot(ep);
+    }
+    if (fresh && !force && (ep->held || batches_unsent(ep))) {
+        if (!ep->held) {
+            ep->held = fresh;
+            held_snapshot(ep);
+        } else {
+            oplist_prepend(&ep->next_held, fresh);
+        }
+    } else {
+        oplist_prepend(&out, fresh);
+    }
+    ep->done_head = out;
 }

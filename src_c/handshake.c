@@ -720,6 +720,17 @@ int mrc_ep_accepts_active(mrc_ep *ep)
     return n;
 }
 
+/* A blocked accept returns MRC_ECLOSED at its next slice (HS_SLICE_NS); new
+ * ones find no listener. The sockets go with mrc_ep_destroy. */
+int mrc_ep_unlisten(mrc_ep *ep)
+{
+    pthread_mutex_lock(&ep->lock);
+    if (ep->hs)
+        ep->hs->closing = true;
+    pthread_mutex_unlock(&ep->lock);
+    return 0;
+}
+
 static bool hs_closing(mrc_ep *ep, struct hs_state *hs)
 {
     pthread_mutex_lock(&ep->lock);

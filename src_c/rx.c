@@ -10,6 +10,7 @@
  */
 #include "internal.h"
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -62,15 +63,132 @@ static void recvq_unlink(mrc_conn *c, mrc_op *op)
     DL_UNLINK(c->recvq_head, c->recvq_tail, op, prev, next);
 }
 
-static void recv_complete(mrc_conn *c, mrc_op *r, const uint8_t *data, uint64_t len,
-                          uint64_t tag)
+/* Ends a copy job (or an inline completion): data was staged, and is
+ * charged against max_unexpected until it is freed here. Returns 0, or the
+ * error that must fail the connection (no memory for an immediate). */
+static int job_finish(mrc_conn *c, mrc_op *r, uint8_t *data, uint64_t len, uint64_t tag,
+                      bool imm, uint32_t immv)
 {
-    uint64_t n = len < r->len ? len : r->len;
-    if (data && n)
-        memcpy(r->mr->addr + r->loff, data, n);
-    r->res_bytes = len;
-    r->res_tag = tag;
-    op_complete_pt(c->ep, r, len > r->len ? MRC_ETRUNC : 0);
+    if (data) {
+        free(data);
+        c->staged_bytes -= len;
+        c->staged_count--;
+    }
+    if (r) {
+        r->res_bytes = len;
+        r->res_tag = tag;
+        op_complete_pt(c->ep, r, len > r->len ? MRC_ETRUNC : 0);
+    }
+    /* Room was reserved when its last packet was admitted (imm_queued). */
+    return imm ? conn_imm_pt(c, immv, len) : 0; /* on the conn's CQ if bound */
+}
+
+static void conn_copy_run(mrc_conn *c, uint64_t *budget);
+
+/* Queues a completion (a RECV, or an immediate: imm) behind the copies in
+ * progress on c, or does it now when there are none and the copy is small.
+ * data (staged, may be NULL) is owned from here on. Returns nonzero if the
+ * connection failed meanwhile (the caller must not touch its state). */
+static int complete_in_order(mrc_conn *c, mrc_op *r, uint8_t *data, uint64_t len,
+                             uint64_t tag, bool imm, uint32_t immv)
+{
+    uint64_t n = r ? (len < r->len ? len : r->len) : 0;
+    struct copy_job *j = NULL;
+    if (c->copy_head || (data && n > MRC_COPY_BUDGET))
+        j = malloc(sizeof(*j));
+    if (!j) { /* nothing to wait behind, or no memory for the job: now, in order */
+        uint64_t all = UINT64_MAX;
+        conn_copy_run(c, &all);
+        if (c->state != CONN_ACTIVE) {
+            free(data);
+            return 1;
+        }
+        if (data && n)
+            memcpy(r->mr->addr + r->loff, data, n);
+        int rc = job_finish(c, r, data, len, tag, imm, immv);
+        if (rc)
+            conn_fail_pt(c, rc, rc);
+        return rc;
+    }
+    *j = (struct copy_job){.r = r, .data = data, .len = len, .tag = tag, .imm = imm,
+                           .immv = immv};
+    if (c->copy_tail)
+        c->copy_tail->next = j;
+    else
+        c->copy_head = j;
+    c->copy_tail = j;
+    if (!c->in_copyq) {
+        c->in_copyq = true;
+        c->next_copy = c->ep->copyq;
+        c->ep->copyq = c;
+    }
+    return 0;
+}
+
+static void recv_complete(mrc_conn *c, mrc_op *r, uint8_t *data, uint64_t len, uint64_t tag)
+{
+    complete_in_order(c, r, data, len, tag, false, 0);
+}
+
+/* Runs c's jobs in order while *budget bytes of copying remain. */
+static void conn_copy_run(mrc_conn *c, uint64_t *budget)
+{
+    while (c->copy_head) {
+        struct copy_job *j = c->copy_head;
+        uint64_t n = j->r ? (j->len < j->r->len ? j->len : j->r->len) : 0;
+        if (j->data && j->off < n) {
+            if (!*budget)
+                return;
+            uint64_t k = n - j->off < *budget ? n - j->off : *budget;
+            memcpy(j->r->mr->addr + j->r->loff + j->off, j->data + j->off, k);
+            j->off += k;
+            *budget -= k;
+            if (j->off < n)
+                return;
+        }
+        c->copy_head = j->next;
+        if (!c->copy_head)
+            c->copy_tail = NULL;
+        int rc = job_finish(c, j->r, j->data, j->len, j->tag, j->imm, j->immv);
+        free(j);
+        if (rc) {
+            conn_fail_pt(c, rc, rc); /* frees the jobs left (rx_release_pt) */
+            return;
+        }
+    }
+}
+
+static void copyq_unlink(mrc_ep *ep, mrc_conn *c)
+{
+    if (!c->in_copyq)
+        return;
+    for (mrc_conn **pp = &ep->copyq; *pp; pp = &(*pp)->next_copy)
+        if (*pp == c) {
+            *pp = c->next_copy;
+            break;
+        }
+    c->in_copyq = false;
+}
+
+/* Copies at most MRC_COPY_BUDGET bytes out of staging, over the connections
+ * that have copies queued (ep->copyq), finishing jobs in order; runs once per
+ * progress-loop pass. */
+void rx_copy_run_pt(mrc_ep *ep)
+{
+    uint64_t budget = MRC_COPY_BUDGET;
+    for (mrc_conn **pp = &ep->copyq; *pp;) {
+        mrc_conn *c = *pp;
+        conn_copy_run(c, &budget);
+        if (*pp != c)
+            continue; /* it failed: rx_release_pt took it off the list */
+        if (!c->copy_head) {
+            *pp = c->next_copy;
+            c->in_copyq = false;
+            continue;
+        }
+        ep->work = true;
+        pp = &c->next_copy;
+    }
 }
 
 /*
@@ -142,7 +260,8 @@ static void rx_deliver_pt(mrc_conn *c)
             !psn_lt(m->last_psn, c->rx_cum))
             break;
         if (m->type == MRC_PKT_WRITE && (m->flags & MRC_F_IMM)) {
-            conn_imm_pt(c, m->imm, m->msg_len); /* on the conn's CQ if bound */
+            if (complete_in_order(c, NULL, NULL, m->msg_len, 0, true, m->imm))
+                return; /* the connection failed: its state is gone */
         } else if (m->type == MRC_PKT_SEND && m->recv) {
             recv_complete(c, m->recv, NULL, m->msg_len, m->key);
         } else if (m->type == MRC_PKT_SEND) {
@@ -153,13 +272,17 @@ static void rx_deliver_pt(mrc_conn *c)
                 r = r->next;
             if (r) {
                 recvq_unlink(c, r);
-                recv_complete(c, r, m->stage, m->msg_len, m->key);
-                free(m->stage);
-                c->staged_bytes -= m->msg_len;
+                recv_complete(c, r, m->stage, m->msg_len, m->key); /* frees it */
             } else {
                 struct staged_msg *s = malloc(sizeof(*s));
-                if (!s) /* cannot happen in practice; the message is lost loudly */
-                    abort();
+                if (!s) { /* a connection error, never abort() the process */
+                    free(m->stage);
+                    m->stage = NULL;
+                    c->staged_bytes -= m->msg_len;
+                    c->staged_count--;
+                    conn_fail_pt(c, -ENOMEM, -ENOMEM);
+                    return;
+                }
                 *s = (struct staged_msg){.tag = m->key, .len = m->msg_len, .data = m->stage};
                 if (c->unexp_tail)
                     c->unexp_tail->next = s;
@@ -185,9 +308,7 @@ void rx_post_recv_pt(mrc_conn *c, mrc_op *op)
             c->unexp_head = s->next;
         if (c->unexp_tail == s)
             c->unexp_tail = prev;
-        recv_complete(c, op, s->data, s->len, s->tag);
-        c->staged_bytes -= s->len;
-        free(s->data);
+        recv_complete(c, op, s->data, s->len, s->tag); /* frees s->data */
         free(s);
         return;
     }
@@ -246,6 +367,19 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
             send_nak(c, h->path, h->psn, d->msn, MRC_NAK_BOUNDS);
             return;
         }
+        /* The immediate queue is bounded as staging is: while the application
+         * leaves MRC_IMM_MAX immediates untaken, the packet that would
+         * complete another is refused as not ready (the message cannot be
+         * delivered without it), and the sender backs off. */
+        if ((h->flags & (MRC_F_LAST | MRC_F_IMM)) == (MRC_F_LAST | MRC_F_IMM)) {
+            uint32_t queued = c->imm_queued - atomic_load(&c->imm_taken);
+            if (queued >= MRC_IMM_MAX) {
+                DROP(ep, NO_BUFFER);
+                send_nak(c, h->path, h->psn, d->msn, MRC_NAK_RNR);
+                return;
+            }
+            c->imm_queued++;
+        }
         dst = mr->addr + d->offset;
     } else {
         /* Known from its first packet on, even if refused below: later
@@ -263,17 +397,21 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
              * (test_overtaken_message_is_admitted_when_staging_is_full).
              * Total staging stays below twice max_unexpected. Zeroed: a message delivered with holes (a peer
              * that lies about FIRST/LAST) must not expose old heap contents. */
-            uint64_t used = c->staged_bytes;
+            /* Each message also costs MRC_STAGE_MSG_COST: 200,000 empty
+             * SENDs were all staged (+16 MiB) when only bytes counted. */
+            uint64_t max = ep->cfg.max_unexpected;
+            uint64_t used = c->staged_bytes + (uint64_t)c->staged_count * MRC_STAGE_MSG_COST;
             if (d->msn == c->rx_deliver_msn)
-                used -= c->undelivered_bytes;
-            if (used > ep->cfg.max_unexpected ||
-                d->msg_len > ep->cfg.max_unexpected - used || /* no overflow */
+                used -= c->undelivered_bytes + (uint64_t)c->staging * MRC_STAGE_MSG_COST;
+            if (used > max || d->msg_len > max - used || /* no overflow */
+                MRC_STAGE_MSG_COST > max - used - d->msg_len ||
                 !(m->stage = calloc(1, d->msg_len ? d->msg_len : 1))) {
                 DROP(ep, NO_BUFFER);
                 send_nak(c, h->path, h->psn, d->msn, MRC_NAK_RNR);
                 return;
             }
             c->staged_bytes += d->msg_len;
+            c->staged_count++;
             c->undelivered_bytes += d->msg_len;
             ep->st.staged_msgs++;
             c->staging++;
@@ -421,9 +559,19 @@ void rx_flush_acks_pt(mrc_ep *ep)
 }
 
 /* Frees receive state; posted RECVs fail with the connection's error. */
-void rx_release_pt(mrc_conn *c)
+void rx_release_pt(mrc_conn *c, int err)
 {
-    int err = c->error ? c->error : MRC_ECLOSED;
+    err = err ? err : MRC_ECLOSED;
+    while (c->copy_head) {
+        struct copy_job *j = c->copy_head;
+        c->copy_head = j->next;
+        if (j->r)
+            op_complete_pt(c->ep, j->r, err);
+        free(j->data);
+        free(j);
+    }
+    c->copy_tail = NULL;
+    copyq_unlink(c->ep, c);
     while (c->recvq_head) {
         mrc_op *op = c->recvq_head;
         recvq_unlink(c, op);
@@ -446,6 +594,7 @@ void rx_release_pt(mrc_conn *c)
     }
     c->unexp_tail = NULL;
     c->staged_bytes = 0;
+    c->staged_count = 0;
     c->undelivered_bytes = 0;
     c->staging = 0;
 }

@@ -254,6 +254,8 @@ static int gso_group(struct msock *s, struct txbatch *b)
 int sock_flush_pt(mrc_ep *ep, struct msock *s)
 {
     struct txbatch *b = &s->batch;
+    if (unlikely(ep->tx_stall) && b->sent < b->n)
+        return -EAGAIN; /* mrc_ep_testing_tx_stall: a socket that stays full */
     while (b->sent < b->n) {
         int ng = gso_group(s, b);
         int r = sendmmsg(s->fd, b->gmsg, (unsigned)ng, MSG_DONTWAIT);
@@ -277,6 +279,7 @@ int sock_flush_pt(mrc_ep *ep, struct msock *s)
         ep->st.tx_sends += (uint64_t)r;
         ep->work = true;
     }
+    b->retired += (uint64_t)b->n; /* ep_hold_pt counts what left */
     b->n = b->sent = 0;
     return 0;
 }

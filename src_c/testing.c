@@ -34,5 +34,11 @@ int mrc_ep_rx_inject(mrc_ep *ep, int plane, const void *pkt, size_t len, const c
     return ep_ctl(ep, &c);
 }
 
+int mrc_ep_testing_tx_stall(mrc_ep *ep, int on)
+{
+    struct ctl c = {.type = CTL_TX_STALL, .iarg = on};
+    return ep_ctl(ep, &c);
+}
+
 uint32_t mrc_conn_id(const mrc_conn *c) { return c->id; }
 uint32_t mrc_conn_peer_id(const mrc_conn *c) { return c->peer_id; }

@@ -200,7 +200,7 @@ static void tx_ack_one_pt(mrc_conn *c, uint32_t psn, uint64_t now)
 }
 
 /*
- * An ACK: cumulative psn, a 256-bit SACK block, and the echo of the latest
+ * An ACK: cumulative psn, a 512-bit SACK block, and the echo of the latest
  * packet the receiver got on path h->path (its send timestamp).
  */
 void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
@@ -359,9 +359,9 @@ void tx_timers_pt(mrc_conn *c, uint64_t now)
 }
 
 /* Fails every operation still queued for sending (connection going away). */
-void tx_release_pt(mrc_conn *c)
+void tx_release_pt(mrc_conn *c, int err)
 {
-    int err = c->error ? c->error : MRC_ECLOSED;
+    err = err ? err : MRC_ECLOSED;
     while (c->txops_head) {
         mrc_op *op = c->txops_head;
         txops_unlink(c, op);

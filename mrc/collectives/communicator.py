@@ -28,6 +28,7 @@ from mrc import Connection, Endpoint
 from mrc.collectives import rendezvous
 from mrc.collectives.ops import Collectives
 from mrc.collectives.rendezvous import RendezvousClient, RendezvousServer, UniqueId
+from mrc.collectives.resilient import Resilience
 from mrc.errors import CollectiveError, MrcError, UsageError
 from mrc.routing import Fabric, load_fabric
 from mrc.routing import paths as route_paths
@@ -123,6 +124,8 @@ class Communicator(Collectives):
             init = getattr(self, "_collectives_init", None)
             if init is not None:
                 init()
+                # Issue 13: all_reduce's shares from the agreed bandwidths (resilient.py).
+                self._resilience = Resilience(self)
             self._collectives_started = True
             # A failure the monitor saw before the executor existed was not passed on.
             if self._failure is not None:
@@ -354,6 +357,18 @@ class Communicator(Collectives):
         if self._server is not None:
             self._server.stop()
             self._server = None
+
+    def stats(self) -> dict[str, Any]:
+        """This rank's view: rank, size, host, the resilient planner's agreed bandwidths
+        and chosen schedule ("resilient"), and the endpoint's stats ("endpoint")."""
+        res = getattr(self, "_resilience", None)
+        return {
+            "rank": self.rank,
+            "size": self.size,
+            "host": self.host,
+            "resilient": None if res is None else res.stats(),
+            "endpoint": None if self.endpoint.closed else self.endpoint.stats(),
+        }
 
     def __enter__(self) -> Communicator:
         return self

@@ -380,6 +380,20 @@ class Collectives:
         if algo not in ("direct", "gather"):
             raise UsageError(f"all_reduce: algo must be auto, direct or gather, got {algo!r}")
         what = f"all_reduce of {s.count} {s.dtype} ({op})"
+        out = send if recv is None else recv
+        resilience = getattr(self, "_resilience", None)
+        if sh is None and algo == "direct" and resilience is not None:
+            # Issue 13: the shares come from the bandwidths every rank agreed on, chosen
+            # where the operation runs, in its place in the order (resilient.py).
+            lag_ = self.slots or 4
+
+            def run() -> Any:
+                chosen = resilience.shares_for(s.count * s.esize)
+                packed = resilience.packed(s.count, s.esize, chosen, op == "avg", lag_)
+                sig = signature("all_reduce", s.count, s.dtype, op, chosen, "direct")
+                return self._do(what, packed, s, r, s.dtype, code, sig, out)
+
+            return self._submit(what, run, async_op)
         key = ("all_reduce", s.count, s.esize, sh, op == "avg", algo)
         n, rank, lag = self.size, self.rank, self.slots or 4
         packed = self._plan(
@@ -389,7 +403,6 @@ class Collectives:
             ),
         )
         sig = signature("all_reduce", s.count, s.dtype, op, sh, algo)
-        out = send if recv is None else recv
         return self._submit(
             what, lambda: self._do(what, packed, s, r, s.dtype, code, sig, out), async_op
         )

@@ -191,7 +191,7 @@ static void fixup(uint8_t *pkt, size_t len, uint8_t mode, bool to_sender)
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
-    static uint8_t pkt[MRC_PKT_MAX];
+    static uint8_t pkt[MRC_DATA_HDR_LEN + MRC_MAX_MSS];
     if (size < 1 || size - 1 > MRC_RX_SLOT || size - 1 > sizeof(pkt))
         return -1;
     uint8_t mode = data[0];

@@ -72,7 +72,13 @@ struct mrc_ep_config {
     uint64_t max_unexpected; /* SEND bytes held per connection for RECVs not yet
                               * posted; beyond it the sender is told to back off
                               * (receiver not ready); 0: 64 MiB. Messages that
-                              * overtook a lost one may take as much again. */
+                              * overtook a lost one may take as much again.
+                              * Each staged message also counts 256 bytes, so
+                              * empty SENDs are bounded in number too. */
+    int32_t rnr_timeout_ms;  /* how long a sender retries a peer that keeps
+                              * answering receiver-not-ready before the
+                              * connection fails with MRC_ERNR; 0: timeout_ms;
+                              * < 0: for ever (verbs' rnr_retry = 7) */
 };
 
 void mrc_ep_config_init(struct mrc_ep_config *cfg);
@@ -80,8 +86,10 @@ int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out);
 /* Stops the progress thread; every pending operation fails with MRC_ECLOSED,
  * and so does an mrc_ep_accept blocked in another thread (waited for here).
  * Connections and regions not yet destroyed are freed with it (their handles
- * must not be used again); operations stay the caller's, and only
- * mrc_op_release may be called on them afterwards. */
+ * must not be used again, and no call on them may run concurrently with this
+ * one). Operations stay the caller's: mrc_op_wait, mrc_op_done,
+ * mrc_op_get_result and mrc_op_release remain valid on them afterwards (each
+ * op keeps the endpoint's small core alive until it is released). */
 void mrc_ep_destroy(mrc_ep *ep);
 int mrc_ep_nplanes(const mrc_ep *ep);
 /* The plane's bound address and UDP port. */
@@ -109,6 +117,10 @@ struct mrc_path_spec {
  * of every plane's address (one port for all), so clients reach the endpoint
  * over any plane that is up. Listening again replaces the listeners. */
 int mrc_ep_listen(mrc_ep *ep, const char *addr, uint16_t port, uint16_t *bound_port);
+/* Stops listening: an mrc_ep_accept blocked in another thread returns
+ * MRC_ECLOSED within 50 ms (so that thread can leave before mrc_ep_destroy);
+ * later accepts find no listener. */
+int mrc_ep_unlisten(mrc_ep *ep);
 /* A connection under construction: add paths, then connect or establish. */
 int mrc_conn_create(mrc_ep *ep, const char *name, mrc_conn **out);
 /* With no paths added, the connection uses plane k -> peer plane k. */
@@ -142,12 +154,22 @@ int mrc_conn_error(const mrc_conn *c);
 
 /* ---- memory -------------------------------------------------------------- */
 
-#define MRC_ACCESS_REMOTE_WRITE 0x1
+#define MRC_ACCESS_REMOTE_WRITE 0x1 /* peers may WRITE into it */
+#define MRC_ACCESS_READONLY 0x2     /* read-only memory: a source of SEND and WRITE
+                                     * only (RECVs into it are refused, and so is
+                                     * MRC_ACCESS_REMOTE_WRITE with it) */
 
 int mrc_mr_reg(mrc_ep *ep, void *addr, size_t len, int access, mrc_mr **out);
 uint64_t mrc_mr_key(const mrc_mr *mr);
-/* Waits until the progress thread no longer places data into the region. */
-void mrc_mr_dereg(mrc_mr *mr);
+/* Deregisters and frees the region, as verbs does: MRC_EBUSY (and nothing
+ * changes) while operations posted with it have not completed; the caller
+ * waits for them, or destroys their connection, and tries again. On 0 the
+ * progress thread no longer reads or places data in the region and the
+ * handle is gone. Posts racing this call either count (then it is busy) or
+ * are refused with MRC_EUSAGE. */
+int mrc_mr_dereg(mrc_mr *mr);
+/* Operations posted with the region and not yet completed (why dereg is busy). */
+int mrc_mr_pending(const mrc_mr *mr);
 
 /* ---- operations ---------------------------------------------------------- */
 

@@ -21,6 +21,10 @@ extern "C" {
 int mrc_ep_rx_inject(mrc_ep *ep, int plane, const void *pkt, size_t len, const char *src_addr,
                      uint16_t src_port);
 
+/* While on, every send of the endpoint behaves as if the kernel answered
+ * EAGAIN: packets stay queued in their batches (a socket that stays full). */
+int mrc_ep_testing_tx_stall(mrc_ep *ep, int on);
+
 /* This endpoint's id for the connection (what a peer puts in `conn`). */
 uint32_t mrc_conn_id(const mrc_conn *c);
 /* The peer's id for it (what we put in `conn`). */

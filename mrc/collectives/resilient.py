@@ -1,0 +1,333 @@
+"""The resilient AllReduce (issue 13): agree on every rank's bandwidth, plan the shares.
+
+The pieces: bandwidth.py turns this rank's path states into its usable rate and a 32-byte
+record; model.plan() picks the schedule (equal shares, or the shares that meet the lower
+bound) for the agreed rates and the message size; the executor runs the direct
+all_reduce with those shares, which keep the fixed reduction order, so a switch changes
+no bit of any result. This module joins them, per communicator:
+
+- At an exchange point (every all_reduce of at least `exchange_bytes`, the first
+  EARLY_EXCHANGES, and every `exchange_every`-th of any size; every rank calls the same
+  collectives with the same sizes, so every rank reaches the same points) each rank
+  reads its endpoint's path states, all-gathers the records through the executor (the
+  same ordered, signature-checked path as any collective: a rank that skipped the exchange
+  gets a mismatch error, not a wrong plan) and applies bandwidth.agree(), a pure rule:
+  every rank holds the same agreement after the same operation.
+- Every all_reduce, exchange point or not, plans from the latest agreement (cached per
+  size), so small ones cost nothing extra and still use the schedule the last agreement
+  gave. A plane that fails in the middle of an operation: that operation completes on the
+  remaining paths (the transport keeps it lossless); the next exchange point sees the
+  failed paths and every rank switches at that same operation. A heal is seen the same way.
+- The rates: the fabric file's per-plane link rates when the communicator is on a fabric
+  (every rank's own host links); else the count of usable planes times `plane_rate`.
+  Measured delivered rates (bandwidth.rank_bandwidth with prev=) are not used: what a rank
+  delivers follows the shares it was given, so planning on it would feed back on itself.
+
+comm.stats()["resilient"] shows the agreed vector and the chosen schedule; the logger
+"mrc.collectives.resilient" says (INFO) each change of agreement or schedule, naming the
+schedule and the bandwidths agreed, with the planner's table at DEBUG.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from mrc.collectives import bandwidth, model
+from mrc.collectives import schedule as S
+from mrc.errors import UsageError
+
+log = logging.getLogger("mrc.collectives.resilient")
+
+# An exchange is an all_gather of 32 bytes per rank: about one round trip (a few hundred
+# microseconds on the test fabric; 1 ms on the loaded 2-core machine). From 4 MiB on an
+# all_reduce takes over 10 ms at 4 x 1 Gbit/s, so the exchange is a few percent at most.
+DEFAULT_EXCHANGE_BYTES = 4 << 20
+# Smaller all_reduces refresh the agreement every this many all_reduces, so a job of only
+# small ones still sees a failed plane (and pays 1/64 of an exchange per operation).
+DEFAULT_EXCHANGE_EVERY = 64
+# The first all_reduces of a communicator are all exchange points: its fresh endpoint learns
+# of a cable that was down before it opened only from the first packets lost on it, so the
+# first agreement may not know yet.
+EARLY_EXCHANGES = 8
+# One dependent hop (post, wire, completion) for plan()'s alpha term.
+DEFAULT_ALPHA = 50e-6
+# A plane's rate when no fabric file says it (loopback): only ratios matter for the shares,
+# this only sets where small messages stop paying for a resilient plan.
+DEFAULT_PLANE_RATE = 10e9 / 8
+_PLAN_CACHE = 64
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    if value not in ("0", "1"):
+        raise UsageError(f"{name}={value!r}: want 0 or 1")
+    return value == "1"
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        v = int(value)
+    except ValueError:
+        raise UsageError(f"{name}={value!r} is not an integer") from None
+    if v < 0:
+        raise UsageError(f"{name}={v}: must be >= 0")
+    return v
+
+
+class Resilience:
+    """One communicator's bandwidth agreement and AllReduce planner.
+
+    comm: the Collectives mixin's object (rank, size, endpoint, fabric_info, _run).
+    enabled: plan at all (MRC_RESILIENT=0 turns it off: equal shares always).
+    exchange_bytes: all_reduce size from which an operation is an exchange point
+    (MRC_RESILIENT_EXCHANGE_BYTES; 0: every all_reduce).
+    exchange_every: smaller ones are one every this many all_reduces
+    (MRC_RESILIENT_EXCHANGE_EVERY).
+    """
+
+    def __init__(
+        self,
+        comm: Any,
+        *,
+        enabled: bool | None = None,
+        exchange_bytes: int | None = None,
+        exchange_every: int | None = None,
+        alpha: float = DEFAULT_ALPHA,
+        plane_rate: float = DEFAULT_PLANE_RATE,
+    ) -> None:
+        self.comm = comm
+        self.enabled = _env_flag("MRC_RESILIENT", True) if enabled is None else enabled
+        self.exchange_bytes = (
+            _env_int("MRC_RESILIENT_EXCHANGE_BYTES", DEFAULT_EXCHANGE_BYTES)
+            if exchange_bytes is None
+            else exchange_bytes
+        )
+        if self.exchange_bytes < 0:
+            raise UsageError(f"exchange_bytes = {self.exchange_bytes}: must be >= 0")
+        self.exchange_every = (
+            _env_int("MRC_RESILIENT_EXCHANGE_EVERY", DEFAULT_EXCHANGE_EVERY)
+            if exchange_every is None
+            else exchange_every
+        )
+        if self.exchange_every < 1:
+            raise UsageError(f"exchange_every = {self.exchange_every}: must be >= 1")
+        self._last_exchange = 0  # self.ops at the last exchange
+        self.alpha = alpha
+        self.plane_rate = plane_rate
+        self.nplanes = len(comm.endpoint.planes)
+        info = getattr(comm, "fabric_info", None)
+        rates = None if info is None else info.get("rates_bps")
+        self.plane_rates = None if rates is None else [float(r) / 8.0 for r in rates]
+        self.agreed: bandwidth.AgreedBandwidths | None = None
+        self.current: bandwidth.RankBandwidth | None = None
+        self.epoch = 0  # agreements that changed the vector
+        self.exchanges = 0
+        self.ops = 0
+        self.schedules: Counter[str] = Counter()
+        self.last: dict[str, Any] | None = None
+        self.switches: list[dict[str, Any]] = []
+        self._plans: dict[int, model.Plan] = {}
+        self._packed: dict[tuple[Any, ...], Any] = {}
+        self._lock = threading.Lock()
+
+    # --- what this rank can use ----------------------------------------------------------
+
+    def local(self) -> bandwidth.RankBandwidth:
+        """This rank's usable rates from its endpoint's path states now."""
+        stats = self.comm.endpoint.stats()
+        return bandwidth.rank_bandwidth(stats, nplanes=self.nplanes, plane_rates=self.plane_rates)
+
+    def _exchange(self) -> None:
+        """All-gather every rank's record through the executor and agree. Runs on the
+        thread that runs the all_reduce, in its place in the order of operations."""
+        comm = self.comm
+        self.current = self.local()
+        send = np.frombuffer(bandwidth.pack(self.current), dtype=np.uint8).copy()
+        recv = np.empty(bandwidth.RECORD_SIZE * comm.size, dtype=np.uint8)
+        from mrc.collectives.ops import as_buffer, signature
+
+        packed = S.all_gather(comm.rank, comm.size, bandwidth.RECORD_SIZE, 1).pack()
+        comm._run(
+            "bandwidth exchange",
+            packed,
+            as_buffer(send, "uint8", "bandwidth record", False),
+            as_buffer(recv, "uint8", "bandwidth records", True),
+            "uint8",
+            0,
+            signature("bandwidth exchange", bandwidth.RECORD_SIZE),
+        )
+        records = bandwidth.unpack_all(recv.tobytes(), comm.size)
+        new = bandwidth.agree(records, self.agreed)
+        self.exchanges += 1
+        self._last_exchange = self.ops
+        if bandwidth.changed(self.agreed, new):
+            self.epoch += 1
+            self._plans.clear()
+            if self.agreed is not None or any(b.planes_down for b in records):
+                log.info(
+                    "rank %d: bandwidths agreed at all_reduce %d (epoch %d, %s):\n%s",
+                    comm.rank,
+                    self.ops,
+                    self.epoch,
+                    new.source,
+                    new.describe(),
+                )
+        self.agreed = new
+
+    def _rates(self, agreed: bandwidth.AgreedBandwidths) -> bandwidth.AgreedBandwidths:
+        return agreed.scaled(self.plane_rate) if agreed.source == "planes" else agreed
+
+    # --- the hook: called by Collectives.all_reduce ------------------------------------
+
+    def shares_for(self, nbytes: int) -> tuple[float, ...] | None:
+        """The shares of this all_reduce (None: equal), the same on every rank. An
+        exchange point first refreshes the agreement (a collective of its own)."""
+        with self._lock:
+            self.ops += 1
+            if not self.enabled or self.comm.size < 3:
+                # n <= 2: every share costs the same (model.shares); nothing to plan.
+                n = self.comm.size
+                self._note(model.Plan("equal", (1.0 / n,) * n, math.nan), nbytes)
+                return None
+            if (
+                nbytes >= self.exchange_bytes
+                or self.ops <= EARLY_EXCHANGES
+                or self.ops - self._last_exchange >= self.exchange_every
+            ):
+                self._exchange()
+            assert self.agreed is not None
+            plan = self._plans.get(nbytes)
+            if plan is None:
+                rates = self._rates(self.agreed)
+                plan = model.plan(rates, float(nbytes), self.alpha)
+                if len(self._plans) >= _PLAN_CACHE:
+                    self._plans.clear()
+                self._plans[nbytes] = plan
+                if log.isEnabledFor(logging.DEBUG):
+                    table = model.candidates(rates, float(nbytes), self.alpha)
+                    log.debug(
+                        "rank %d: all_reduce of %d bytes, candidates:\n%s",
+                        self.comm.rank,
+                        nbytes,
+                        model.format_table(table),
+                    )
+            self._note(plan, nbytes)
+            return None if plan.name == "equal" else tuple(plan.shares)
+
+    def _note(self, plan: model.Plan, nbytes: int) -> None:
+        self.schedules[plan.name] += 1
+        prev = self.last
+        self.last = {
+            "op": self.ops,
+            "nbytes": nbytes,
+            "schedule": plan.name,
+            "shares": list(plan.shares),
+            "predicted_s": plan.predicted,
+            "epoch": self.epoch,
+        }
+        if prev is None or prev["schedule"] != plan.name or prev["shares"] != list(plan.shares):
+            self.switches.append(
+                {"op": self.ops, "epoch": self.epoch, "schedule": plan.name, "nbytes": nbytes}
+            )
+            if prev is not None or plan.name != "equal":
+                assert self.agreed is not None
+                log.info(
+                    "rank %d: all_reduce %d (%d bytes) runs schedule %s, shares %s, "
+                    "predicted %.3g ms, for bandwidths %s",
+                    self.comm.rank,
+                    self.ops,
+                    nbytes,
+                    plan.name,
+                    [round(x, 4) for x in plan.shares],
+                    plan.predicted * 1e3,
+                    _short(self.agreed),
+                )
+
+    def packed(
+        self, count: int, esize: int, shares: tuple[float, ...] | None, avg: bool, lag: int
+    ) -> Any:
+        """The executor's plan of this (direct) all_reduce, cached here: it is built on
+        whichever thread runs the operation, so not in the mixin's cache (filled by
+        callers). lag: the mixin's step lag (its scratch slots)."""
+        key = (count, esize, shares, avg, lag)
+        with self._lock:
+            packed = self._packed.get(key)
+        if packed is None:
+            sch = S.all_reduce(
+                self.comm.rank,
+                self.comm.size,
+                count,
+                esize,
+                shares=shares,
+                avg=avg,
+                lag=lag,
+                algo="direct",
+            )
+            packed = sch.pack()
+            with self._lock:
+                if len(self._packed) >= _PLAN_CACHE:
+                    self._packed.clear()
+                self._packed[key] = packed
+        return packed
+
+    def stats(self) -> dict[str, Any]:
+        """What comm.stats()["resilient"] shows. Without the lock: an exchange holds it
+        for as long as the collective takes, and a monitoring thread must not wait on it
+        (each field is read once; they may be one operation apart)."""
+        ag = self.agreed
+        return {
+            "enabled": self.enabled,
+            "exchange_bytes": self.exchange_bytes,
+            "exchange_every": self.exchange_every,
+            "all_reduces": self.ops,
+            "exchanges": self.exchanges,
+            "epoch": self.epoch,
+            "local": None
+            if self.current is None
+            else {
+                "send": self.current.send,
+                "recv": self.current.recv,
+                "planes_up": list(self.current.planes_up),
+                "source": self.current.source,
+            },
+            "agreed": None
+            if ag is None
+            else {
+                "source": ag.source,
+                "send": list(ag.send),
+                "recv": list(ag.recv),
+                "levels": [list(x) for x in ag.levels],
+                "planes_up": [[p for p in range(np_) if mask >> p & 1] for mask, np_ in ag.planes],
+            },
+            "schedule": None if self.last is None else dict(self.last),
+            "schedules": dict(self.schedules),
+            "switches": list(self.switches),
+        }
+
+
+def _short(ag: bandwidth.AgreedBandwidths) -> str:
+    """The agreed vector in one line: per rank send/recv and the planes up."""
+    parts = []
+    for r, ((ls, lr), (mask, np_)) in enumerate(zip(ag.levels, ag.planes, strict=True)):
+        up = "".join(str(p) for p in range(np_) if mask >> p & 1)
+        if ag.source == "planes":
+            rate = f"{ag.send[r]:g}/{ag.recv[r]:g} planes"
+        else:
+            rate = f"{ag.send[r] * 8e-9:.3g}/{ag.recv[r] * 8e-9:.3g} Gbit/s"
+        parts.append(f"r{r} {rate} ({ls}/{lr} of {ag.scale}, planes {up})")
+    return "; ".join(parts)
+
+
+__all__ = ["DEFAULT_EXCHANGE_BYTES", "Resilience"]

@@ -1,0 +1,80 @@
+"""One rank of tests/test_resilient.py, started by mrc-run in its fabric host's namespace.
+
+    resilient_worker.py loop N        N all_reduces
+    resilient_worker.py heal MAX      all_reduces until the schedule went resilient and came
+                                      back to equal (at most MAX); rank 0 prints each
+                                      operation's schedule as it goes, for the test to pull
+                                      and heal the cable at the right moments
+
+Every rank all-reduces the same input every time (a function of its rank; every other
+operation with async_op=True, so on the collectives' worker thread), hashes each
+result and prints one JSON line at the end: the hashes, the schedule of each operation
+and the agreed planes when the schedule changed. The schedule is agreed, so every rank
+stops after the same operation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+
+import numpy as np
+
+import mrc
+
+COUNT = 300_001  # not a multiple of 4 ranks, so the shares' element bounds are uneven
+
+
+def data(rank: int) -> np.ndarray:
+    return np.random.default_rng(1000 + rank).standard_normal(COUNT, dtype=np.float32)
+
+
+def main() -> None:
+    mode, limit = sys.argv[1], int(sys.argv[2])
+    # The planner's INFO lines (new agreements, schedule switches) go to stderr: the test
+    # reads them from mrc-run's output.
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    comm = mrc.Communicator.from_env()
+    x = data(comm.rank)
+    out = np.empty_like(x)
+    hashes: list[str] = []
+    schedules: list[str] = []
+    planes: dict[int, list[list[int]]] = {}
+    went_resilient = False
+    ok = True
+    for i in range(limit):
+        if i % 2:
+            # Async: the shares are chosen (and the exchange run) on the worker thread.
+            comm.all_reduce(x, out, async_op=True).wait(60)
+        else:
+            comm.all_reduce(x, out)
+        hashes.append(hashlib.sha256(out.tobytes()).hexdigest())
+        st = comm.stats()["resilient"]
+        name = st["schedule"]["schedule"]
+        if (not schedules or schedules[-1] != name) and st["agreed"] is not None:
+            planes[i] = st["agreed"]["planes_up"]
+        schedules.append(name)
+        if comm.rank == 0 and mode == "heal":
+            print(json.dumps({"op": i, "schedule": name}), flush=True)
+        went_resilient = went_resilient or name == "resilient"
+        if mode == "heal" and went_resilient and name == "equal":
+            break
+    else:
+        ok = mode == "loop"
+    result = {
+        "rank": comm.rank,
+        "ok": ok,
+        "hashes": hashes,
+        "schedules": schedules,
+        "planes": {str(k): v for k, v in planes.items()},
+        "stats": comm.stats()["resilient"],
+    }
+    comm.close()
+    print(json.dumps(result), flush=True)
+    sys.exit(0 if ok else 3)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""The resilient AllReduce on the namespace fabric (issue 13): 4 ranks in 4 host
+namespaces agree on each other's bandwidth from their path states, take the resilient
+shares when h1 lost plane 1 and the equal ones when it is healed, and every result is
+bit-identical to the rank-order reference (so to a healthy run) throughout.
+
+Rates come from the fabric file (20 Gbit/s links, so the CPU is the limit and the loops
+are quick); MRC_RESILIENT_EXCHANGE_BYTES=0 makes every all_reduce an exchange point, so
+each operation plans from the path states of its start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from mrc.fabric.testing import fabric_up
+
+ROOT = Path(__file__).resolve().parent.parent
+FABRIC = str(ROOT / "tests" / "fabrics" / "4host-4plane-fast.toml")
+WORKER = str(ROOT / "tests" / "resilient_worker.py")
+sys.path.insert(0, str(ROOT / "tests"))
+from resilient_worker import data  # noqa: E402
+
+H1_PLANE1 = "h1-p1l0"  # h1's cable on plane 1 (both ends go down)
+
+
+def reference_sha() -> str:
+    """Rank order: ((x0 + x1) + x2) + x3 in float32, as mrc promises for every schedule."""
+    acc = data(0).copy()
+    for r in range(1, 4):
+        acc += data(r)
+    return hashlib.sha256(acc.tobytes()).hexdigest()
+
+
+def launch(fab: object, *worker_args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "MRC_RESILIENT_EXCHANGE_BYTES": "0"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "mrc.run", "-n", "4", "--fabric", FABRIC,
+         "--name", fab.prefix, "--timeout", "30", "--", sys.executable, WORKER,
+         *worker_args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+    )  # fmt: skip
+
+
+def results(lines: list[str]) -> dict[int, dict]:
+    got = {}
+    for line in lines:
+        if line.startswith("[") and "] {" in line:
+            doc = json.loads(line.split("] ", 1)[1])
+            if "hashes" in doc:
+                got[doc["rank"]] = doc
+    assert sorted(got) == [0, 1, 2, 3], "".join(lines)
+    return got
+
+
+def run_loop(fab: object, n: int) -> tuple[dict[int, dict], str]:
+    p = launch(fab, "loop", str(n))
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, out
+    return results(out.splitlines(keepends=True)), out
+
+
+def test_loopback_agrees_on_plane_counts_and_keeps_equal_shares() -> None:
+    """No fabric: the rates are counts of usable planes; all alike, so equal shares. The
+    exchange points: every all_reduce from MRC_RESILIENT_EXCHANGE_BYTES on, the first 8,
+    and every MRC_RESILIENT_EXCHANGE_EVERY-th; none with MRC_RESILIENT=0."""
+    ref = reference_sha()
+    cases = (
+        ({"MRC_RESILIENT_EXCHANGE_BYTES": "0"}, 2, 2),
+        ({"MRC_RESILIENT_EXCHANGE_BYTES": "0", "MRC_RESILIENT": "0"}, 2, 0),
+        # Ops 1..8 (the early ones), then 10 and 12 (two since the last).
+        (
+            {"MRC_RESILIENT_EXCHANGE_BYTES": str(1 << 40), "MRC_RESILIENT_EXCHANGE_EVERY": "2"},
+            12,
+            10,
+        ),
+    )
+    for extra, n_ops, exchanges in cases:
+        p = subprocess.run(
+            [sys.executable, "-m", "mrc.run", "-n", "4", "--timeout", "30", "--",
+             sys.executable, WORKER, "loop", str(n_ops)],
+            capture_output=True, text=True, cwd=ROOT, env={**os.environ, **extra}, timeout=120,
+        )  # fmt: skip
+        assert p.returncode == 0, p.stdout + p.stderr
+        got = results(p.stdout.splitlines(keepends=True))
+        for r in range(4):
+            assert got[r]["hashes"] == [ref] * n_ops
+            assert got[r]["schedules"] == ["equal"] * n_ops
+            st = got[r]["stats"]
+            assert st["exchanges"] == exchanges and st["all_reduces"] == n_ops, (extra, st)
+            if exchanges:
+                assert st["agreed"]["source"] == "planes"
+                assert st["agreed"]["send"] == [4.0] * 4
+            else:
+                assert st["agreed"] is None
+
+
+@pytest.mark.root
+def test_plane_failed_before_the_run_takes_the_resilient_schedule() -> None:
+    ref = reference_sha()
+    with fabric_up(FABRIC) as fab:
+        healthy, _ = run_loop(fab, 3)
+        fab.fail(H1_PLANE1)
+        degraded, log = run_loop(fab, 12)
+    for r in range(4):
+        assert healthy[r]["hashes"] == [ref] * 3, r
+        assert set(healthy[r]["schedules"]) == {"equal"}
+        # Bit-identical to the healthy run in every operation, whatever the schedule.
+        assert degraded[r]["hashes"] == [ref] * 12, r
+        st = degraded[r]["stats"]
+        # The transport may take an operation or two to find plane 1's paths failed (the
+        # cable was down before the endpoint opened); from then on the agreed vector has
+        # h1 without plane 1 and every rank runs the resilient shares.
+        assert degraded[r]["schedules"][-1] == "resilient", degraded[r]["schedules"]
+        assert st["agreed"]["planes_up"] == [[0, 1, 2, 3], [0, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]]
+        send = st["agreed"]["send"]
+        assert send[1] == pytest.approx(0.75 * send[0]) and send[0] == send[2] == send[3]
+        shares = st["schedule"]["shares"]
+        assert shares[1] < shares[0] == shares[2] == shares[3]
+        assert sum(shares) == pytest.approx(1.0)
+    # Every rank made the same choices at the same operations.
+    assert len({json.dumps(degraded[r]["schedules"]) for r in range(4)}) == 1
+    # The log names the schedule and the bandwidths agreed (rank 0's lines).
+    switch = [ln for ln in log.splitlines() if ln.startswith("[0]") and "runs schedule" in ln]
+    assert switch and "resilient" in switch[-1] and "planes 023" in switch[-1], log
+    agreed = "rank 1: send/recv 0.750/0.750 of the fastest"
+    assert any(ln.startswith("[0]") and agreed in ln for ln in log.splitlines()), log
+
+
+@pytest.mark.root
+def test_plane_failed_mid_loop_and_healed_keeps_the_bits() -> None:
+    ref = reference_sha()
+    with fabric_up(FABRIC) as fab:
+        p = launch(fab, "heal", "3000")
+        lines: list[str] = []
+        events: dict[str, int] = {}
+        timer = threading.Timer(150, p.kill)  # a hang fails the test instead of stalling it
+        timer.start()
+        try:
+            assert p.stdout is not None
+            for line in p.stdout:
+                lines.append(line)
+                if not line.startswith('[0] {"op"'):
+                    continue
+                ev = json.loads(line.split("] ", 1)[1])
+                if ev["op"] == 3 and "fail" not in events:
+                    fab.fail(H1_PLANE1)  # between (or during) operations 3 and 4
+                    events["fail"] = ev["op"]
+                elif ev["schedule"] == "resilient" and "heal" not in events:
+                    fab.heal(H1_PLANE1)
+                    events["heal"] = ev["op"]
+            p.wait(timeout=30)
+        finally:
+            timer.cancel()
+    assert p.returncode == 0, "".join(lines[-40:])
+    got = results(lines)
+    for r in range(4):
+        sched = got[r]["schedules"]
+        n = len(sched)
+        assert got[r]["hashes"] == [ref] * n, r
+        assert sched[0] == "equal" and sched[-1] == "equal" and "resilient" in sched
+        first = sched.index("resilient")
+        assert first > events["fail"]
+        assert got[r]["planes"][str(first)][1] == [0, 2, 3]
+        assert got[r]["planes"][str(n - 1)][1] == [0, 1, 2, 3]
+    assert len({json.dumps(got[r]["schedules"]) for r in range(4)}) == 1
