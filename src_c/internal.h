@@ -384,7 +384,7 @@ struct mrc_ep {
     mrc_conn *own_conns, *own_conns_tail; /* connections and regions not yet destroyed */
     mrc_mr *own_mrs, *own_mrs_tail;
     mrc_cq *own_cqs, *own_cqs_tail;
-    int listen_fd;
+    struct hs_state *hs; /* [lock] listeners and pending hellos (handshake.c) */
 
     /* progress thread */
     int nsocks;
@@ -428,6 +428,8 @@ void ep_unref(mrc_ep *ep);
 void op_unref(mrc_op *op);
 void ep_hold_pt(mrc_ep *ep, bool force);
 void conn_free(mrc_conn *c);
+/* handshake.c */
+void hs_free(mrc_ep *ep);
 void ep_ctl_run_pt(mrc_ep *ep, struct ctl *c);
 int addr_parse(const char *s, uint16_t port, struct sockaddr_storage *ss, socklen_t *len);
 void addr_format(const struct sockaddr_storage *ss, char *buf, size_t len);

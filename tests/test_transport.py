@@ -344,7 +344,7 @@ def test_bad_operation_arguments() -> None:
 
 
 def test_loss_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MRC_LOSS", "0:0.05")
+    monkeypatch.setenv("MRC_LOSS", "0:5")  # percent, as on every command line
     with connected_pair(2) as p:
         src, dst = pattern(8 << 20, 9), np.zeros(8 << 20, np.uint8)
         md = p.b.register(dst)  # a region must outlive the writes into it
@@ -352,9 +352,10 @@ def test_loss_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         assert sha(dst) == sha(src)
         paths = p.a.stats()["paths"]
         assert paths[0]["injected"] > 0 and paths[1]["injected"] == 0
-    monkeypatch.setenv("MRC_LOSS", "banana")
-    with pytest.raises(mrc.UsageError):
-        mrc.Endpoint("127.0.0.1")
+    for bad in ("banana", "0:0.5:1", "1:5", "0:150", "all:-1"):
+        monkeypatch.setenv("MRC_LOSS", bad)
+        with pytest.raises(mrc.UsageError, match=f"MRC_LOSS='{bad}' is invalid"):
+            mrc.Endpoint("127.0.0.1")  # one plane: "1:5" names a plane it lacks
 
 
 def test_failed_plane_is_detected_and_avoided() -> None:
