@@ -32,8 +32,13 @@ $(TORCH): pyproject.toml | $(DEPS)
 
 # Editable install: meson-python rebuilds the C core and the Cython binding
 # on import whenever a source changed.
-$(BUILT): $(DEPS) meson.build src_c/meson.build pyproject.toml
+# Other users of a root-built venv import the build as it stands (they cannot
+# write the build directory): tools/mrc_shared_build.py.
+SITE = $(shell $(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+$(BUILT): $(DEPS) meson.build src_c/meson.build pyproject.toml tools/mrc_shared_build.py
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	cp tools/mrc_shared_build.py $(SITE)/_mrc_shared_build.py
+	echo "import _mrc_shared_build; _mrc_shared_build.apply()" > $(SITE)/mrc-shared-build.pth
 	touch $@
 
 build: $(BUILT)

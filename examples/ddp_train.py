@@ -89,7 +89,7 @@ def param_sha256(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         h.update(name.encode())
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -160,7 +160,15 @@ def main() -> None:
         "--init-method", default="env://", help="env:// (torchrun, mrc-run) or file://PATH"
     )
     ap.add_argument("--timeout", type=float, help="process group timeout, seconds")
+    ap.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"],
+        help="where the model and gradients live (cuda: every rank on GPU LOCAL_RANK %% count)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.device == "cuda":
+        # cuBLAS is deterministic only with a fixed workspace (torch's deterministic mode)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
     torch.set_num_threads(1)  # one thread: the same reduction order inside every matmul
     torch.use_deterministic_algorithms(True)
@@ -176,10 +184,11 @@ def main() -> None:
 
     text = corpus()
     chars = sorted(set(text))
-    data = torch.tensor([chars.index(c) for c in text], dtype=torch.int64)
+    data = torch.tensor([chars.index(c) for c in text], dtype=torch.int64).to(args.device)
 
     torch.manual_seed(args.seed)
-    model = DDP(TinyLM(len(chars), args.seq, d=args.width))  # DDP broadcasts rank 0's weights
+    # DDP broadcasts rank 0's weights
+    model = DDP(TinyLM(len(chars), args.seq, d=args.width).to(args.device))
     timer = CommTimer()
     model.register_comm_hook(None, timer.hook)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -219,6 +228,7 @@ def main() -> None:
             json.dumps(
                 {
                     "backend": args.backend,
+                    "device": args.device,
                     "world": world,
                     "steps": args.steps,
                     "fail_plane": args.fail_plane,

@@ -18,6 +18,7 @@ class PathLike(Protocol):
 
 def strerror(rc: int) -> str: ...
 def error_for(rc: int, what: str) -> errors.MrcError: ...
+def hostport(addr: str, port: int) -> str: ...
 
 class RemoteRegion:
     key: int
@@ -46,7 +47,7 @@ class Endpoint:
     def listen(self, port: int = ..., addr: str | None = ...) -> int: ...
     def connect(
         self,
-        addr: str,
+        addr: str | Sequence[str],
         port: int,
         *,
         timeout: float | None = ...,

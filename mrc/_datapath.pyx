@@ -1,4 +1,4 @@
-# cython: language_level=3
+# cython: language_level=3, embedsignature=True
 """Thin binding of the C datapath (src_c). Every blocking call releases the GIL;
 nothing here runs per packet."""
 
@@ -11,6 +11,11 @@ from libc.string cimport memcpy, memset, strncpy
 
 cimport mrc._mrc as c
 
+import errno
+import ipaddress
+import operator
+import os
+import socket
 import errno as _errno
 import struct
 import time
@@ -31,6 +36,7 @@ _ERRORS = {
     c.MRC_ETRUNC: errors.TruncatedError,
     c.MRC_EUNREACH: errors.UnreachableError,
     c.MRC_EUSAGE: errors.UsageError,
+    c.MRC_ENOTMRC: errors.ProtocolError,
     c.MRC_EBUSY: errors.BusyError,
     c.MRC_ERNR: errors.ReceiverNotReadyError,
 }
@@ -85,6 +91,105 @@ cdef _copy_str(char *dst, str s, int size, what):
     if len(b) >= size:
         raise errors.UsageError(f"{what} too long: {s!r}")
     strncpy(dst, b, size)
+
+
+def _bad_loss_env(int nplanes) -> bool:
+    """Whether MRC_LOSS is set and wrong for `nplanes` planes: then it, not the planes,
+    failed mrc_ep_create (the same rules as ep.c's parser)."""
+    v = os.environ.get("MRC_LOSS", "")
+    if not v:
+        return False
+    for tok in v.split(","):
+        plane, sep, pct = tok.partition(":")
+        try:
+            x = float(pct[:-1] if pct.endswith("%") else pct)
+            if not sep or not 0 <= x <= 100:
+                return True
+            if plane != "all" and not 0 <= int(plane) < nplanes:
+                return True
+        except ValueError:
+            return True
+    return False
+
+
+def _u64(value, str what, str name):
+    """An unsigned 64-bit argument, or mrc's UsageError naming it (not Cython's bare
+    OverflowError or TypeError)."""
+    try:
+        v = operator.index(value)  # ints and numpy integers
+    except TypeError:
+        v = -1
+    if not 0 <= v < 2**64:
+        raise errors.UsageError(f"{what}: {name} must be an integer 0..2^64-1, got {value!r}")
+    return v
+
+
+def hostport(addr: str, port: int) -> str:
+    """addr:port, with IPv6 addresses in brackets ([::1]:80)."""
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
+def _ip_literal(addr: str, what: str) -> None:
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        raise errors.UsageError(f"{what}: {addr!r} is not an IPv4 or IPv6 address") from None
+
+
+def _resolve(names: list) -> list:
+    """IP literals as they are; host names through the resolver (every address,
+    so they race like planes)."""
+    if not names:
+        raise errors.UsageError("connect: no address given")
+    out = []
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise errors.UsageError(f"connect: addresses are strings, got {name!r}")
+        try:
+            ipaddress.ip_address(name)
+            found = [name]
+        except ValueError:
+            try:
+                infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+            except socket.gaierror as e:
+                raise errors.UnreachableError(
+                    f"Failed to connect to {name}: cannot resolve host name {name!r}: "
+                    f"{e.strerror}") from None
+            found = [i[4][0] for i in infos]
+        out += [a for a in found if a not in out]
+    if len(out) > c.MRC_MAX_PLANES:
+        raise errors.UsageError(
+            f"connect: at most {c.MRC_MAX_PLANES} addresses, got {len(out)}: {', '.join(out)}")
+    return out
+
+
+def _connect_error(int rc, given, list addrs, int port, timeout, list errs):
+    where = given if isinstance(given, str) else ", ".join(addrs)
+    if isinstance(given, str) and addrs != [given]:
+        where = f"{given} ({', '.join(addrs)})"
+    what = f"Failed to connect to {where} port {port}"
+    if rc == c.MRC_EUNREACH:
+        tried = "; ".join(f"{hostport(a, port)}: {os.strerror(-e) if e < 0 else 'no answer'}"
+                          for a, e in zip(addrs, errs))
+        exc = errors.UnreachableError(f"{what}: peer unreachable (tried {tried})")
+    elif rc == c.MRC_ENOTMRC:
+        exc = errors.ProtocolError(
+            f"{what}: not an mrc endpoint (the port answered in another protocol)")
+    elif rc == c.MRC_ETIMEOUT:
+        exc = errors.TimeoutError(
+            f"{what}: the port accepted a TCP connection but sent no mrc hello within "
+            f"{timeout} s (is it an mrc endpoint?)")
+    elif rc == c.MRC_EPROTO:
+        exc = errors.ProtocolError(
+            f"{what}: the peer sent an invalid hello (another mrc version?)")
+    elif rc == c.MRC_ECLOSED:
+        exc = errors.UnreachableError(
+            f"{what}: the peer hung up during set-up every time until the timeout "
+            "(another mrc version, or its connection table is full?)")
+    else:
+        return error_for(rc, what)
+    exc.code = rc
+    return exc
 
 
 class RemoteRegion:
@@ -174,6 +279,11 @@ cdef class Endpoint:
         cdef int rc
         with nogil:
             rc = c.mrc_ep_create(&cfg, &self.ep)
+        if rc == c.MRC_EUSAGE and _bad_loss_env(len(planes)):
+            raise errors.UsageError(
+                f"MRC_LOSS={os.environ['MRC_LOSS']!r} is invalid: expected PLANE:PERCENT or "
+                f"all:PERCENT, comma-separated, with PLANE 0..{len(planes) - 1} and PERCENT "
+                "0..100 (e.g. MRC_LOSS=1:5 drops 5% on plane 1)")
         check(rc, lambda: f"Failed to create an endpoint on planes {', '.join(map(str, planes))}")
         self.mss = mss
         self.timeout = timeout
@@ -208,84 +318,136 @@ cdef class Endpoint:
             self._dropped = [o for o in self._dropped if not o.done]
             self._reap_at = max(64, 2 * len(self._dropped))
 
-    def listen(self, int port=0, str addr=None) -> int:
-        """Accept connections on TCP `port` (0: any) of `addr` (default: plane 0).
-        Returns the port."""
+    def listen(self, port: int = 0, addr: str | None = None) -> int:
+        """Accept connections on TCP `port` (0: an ephemeral one) of `addr`, by
+        default of every plane's address (one port for all), so a client gets
+        through while any plane is up. Returns the port."""
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise errors.UsageError(f"listen: port must be 0..65535 (0: any), got {port!r}")
+        if addr:
+            _ip_literal(addr, "listen")
         cdef uint16_t bound = 0
         cdef int rc
+        cdef uint16_t p = port
         b = addr.encode() if addr else b""
-        cdef const char *a = b  # empty: plane 0
+        cdef const char *a = b  # empty: every plane
         cdef c.mrc_ep *ep = self._enter()
         try:
             with nogil:
-                rc = c.mrc_ep_listen(ep, a, port, &bound)
+                rc = c.mrc_ep_listen(ep, a, p, &bound)
         finally:
             self._leave()
-        check(rc, lambda: f"Failed to listen on {addr or self.planes[0][0]} port {port}")
+        where = addr or ", ".join(sorted({pa for pa, _ in self.planes}))
+        check(rc, lambda: f"Failed to listen on {where} port {port}")
         return bound
 
-    def connect(self, str addr, int port, *, timeout=5.0, paths=None, str name="") -> Connection:
-        """Connect to an endpoint listening on addr:port. `paths` (optional) is a
-        list of objects with id, plane, dst_addr and segments (mrc.routing.Path)."""
+    def connect(self, addr, port: int, *, timeout=5.0, paths=None, str name="") -> Connection:
+        """Connect to an endpoint listening on `port` of `addr`: an IP address, a
+        host name (resolved here), or a list of them (the server's planes: TCP
+        connects to all of them race and the first to answer carries the set-up).
+        `paths` (optional) is a list of objects with id, plane, dst_addr and
+        segments (mrc.routing.Path)."""
+        if not isinstance(port, int) or not 1 <= port <= 65535:
+            raise errors.UsageError(f"connect: port must be 1..65535, got {port!r}")
+        addrs = _resolve([addr] if isinstance(addr, str) else list(addr))
         cdef c.mrc_ep *ep = self._ptr()
         cdef c.mrc_conn *cp = NULL
         cdef int ms = _ms(timeout)
         check(c.mrc_conn_create(ep, name.encode(), &cp), "Failed to create a connection")
         cdef Connection conn = Connection._wrap(self, cp)
         if paths:
-            conn._add_paths(paths)
+            try:
+                conn._add_paths(paths)
+            except BaseException:
+                conn.close()
+                raise
         cdef int rc
-        b = addr.encode()
-        cdef const char *a = b
+        cdef int n = len(addrs)
+        cdef uint16_t p = port
+        cdef const char *av[16]
+        cdef int errs[16]
+        enc = [a.encode() for a in addrs]
+        for i in range(n):
+            av[i] = enc[i]
+            errs[i] = 0
         cp = conn._enter()
         try:
             with nogil:
-                rc = c.mrc_conn_connect(cp, a, port, ms)
+                rc = c.mrc_conn_connect_any(cp, av, n, p, ms, errs)
         finally:
             conn._leave()
         if rc:
             conn.close()
-            raise error_for(rc, f"Failed to connect to {addr} port {port}")
+            raise _connect_error(rc, addr, addrs, port, timeout,
+                                 [errs[i] for i in range(n)])
         return conn
 
     def accept(self, *, timeout=None, paths=None) -> Connection:
-        """Wait for one connection. `paths` may be a list (as for connect) or a
-        callable taking the peer's name and returning that list."""
+        """Wait up to `timeout` seconds (None: forever) for one connection.
+        `paths` may be a list (as for connect) or a callable taking the peer's
+        name and returning that list. A client that hangs up or stalls during
+        its set-up is dropped and the wait goes on."""
         cdef c.mrc_conn *cp = NULL
         cdef int rc
-        cdef int ms = _ms(timeout)
-        # close() from another thread stops the listener (mrc_ep_unlisten) and
-        # waits for this call to return.
+        cdef int ms
+        # The rest of the set-up (our hello, the client's ready) gets the
+        # endpoint's timeout, not what is left of the wait for a client.
+        cdef int hs_ms = _ms(self.timeout)
         cdef Connection conn = None
-        cdef c.mrc_ep *ep = self._enter()
-        try:
-            with nogil:
-                rc = c.mrc_ep_accept(ep, ms, &cp)
-            if self.ep == NULL:  # closed meanwhile: mrc_ep_destroy frees cp
-                raise errors.ConnectionClosedError("endpoint closed while accepting")
-            if rc == 0:  # a child before we leave: a racing close() then sees it
-                conn = Connection._wrap(self, cp)
-        finally:
-            self._leave()
-        if rc == c.MRC_ETIMEOUT:
-            raise errors.WaitTimeout(f"no peer connected within {timeout} s")
-        check(rc, "Failed to accept a connection")
-        if callable(paths):
-            paths = paths(conn.peer_name)
-        try:
-            if paths:
-                conn._add_paths(paths)
+        cdef c.mrc_ep *ep
+        deadline = None if timeout is None else time.monotonic() + _ms(timeout) / 1000.0
+        dropped = []
+        while True:
+            ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            # close() from another thread stops the listener (mrc_ep_unlisten: the
+            # accept returns ECLOSED) and waits for this call to leave.
+            conn = None
+            ep = self._enter()
+            try:
+                with nogil:
+                    rc = c.mrc_ep_accept(ep, ms, &cp)
+                if self.ep == NULL:  # closed meanwhile: mrc_ep_destroy frees cp
+                    raise errors.ConnectionClosedError("endpoint closed while accepting")
+                if rc == 0:  # a child before we leave: a racing close() then sees it
+                    conn = Connection._wrap(self, cp)
+            finally:
+                self._leave()
+            if rc == c.MRC_ETIMEOUT:
+                why = f" ({len(dropped)} dropped during set-up, last: {dropped[-1]})" if dropped else ""
+                raise errors.WaitTimeout(f"no peer connected within {timeout} s{why}")
+            if rc == c.MRC_EUSAGE:
+                raise errors.UsageError("accept() before listen(): call listen() first")
+            check(rc, "Failed to accept a connection")
+            try:
+                if callable(paths):
+                    paths = paths(conn.peer_name)
+                if paths:
+                    conn._add_paths(paths)
+            except BaseException:
+                conn.close()
+                raise
             cp = conn._enter()
             try:
                 with nogil:
-                    rc = c.mrc_conn_establish(cp, ms)
+                    rc = c.mrc_conn_establish(cp, hs_ms)
             finally:
                 conn._leave()
-            check(rc, lambda: f"Failed to establish a connection with {conn.peer_name or 'peer'}")
-        except BaseException:
+            if rc == 0:
+                return conn
+            peer = conn.peer_name or "a client"
+            if rc in (c.MRC_ECLOSED, c.MRC_ETIMEOUT, -errno.EPIPE, -errno.ECONNRESET):
+                # The client went away or stalled after its hello: its problem, not
+                # this server's; wait for the next one.
+                dropped.append(f"{peer}: {strerror(rc)}")
+                conn.close()
+                continue
+            what = f"Failed to establish a connection with {peer}"
+            if rc == c.MRC_EUSAGE:
+                what += (f" (its planes {', '.join(conn.peer_planes)} and ours "
+                         f"{', '.join(a for a, _ in self.planes)} do not pair up: "
+                         "address families, or paths naming other addresses)")
             conn.close()
-            raise
-        return conn
+            raise error_for(rc, what)
 
     def register(self, obj, *, bint remote_write=True) -> MemoryRegion:
         """Register a buffer (bytearray, numpy array, memoryview, bytes...). With
@@ -319,7 +481,8 @@ cdef class Endpoint:
 
     def inject(self, int plane, double loss=0.0, bint down=False) -> None:
         """Fault injection on a local plane: drop each sent packet with probability
-        `loss`; `down` drops everything sent and received, like a pulled cable."""
+        `loss` (0..1: 0.05 is 5%; the command lines and MRC_LOSS take percent); `down`
+        drops everything sent and received, like a pulled cable."""
         if not 0 <= plane < len(self.planes):
             raise errors.UsageError(f"plane {plane} does not exist (0..{len(self.planes) - 1})")
         if not 0.0 <= loss <= 1.0:
@@ -463,7 +626,7 @@ cdef class Endpoint:
             self.ep = NULL
 
     def __repr__(self) -> str:
-        planes = ", ".join(f"{a}:{p}" for a, p in self.planes)
+        planes = ", ".join(hostport(a, p) for a, p in self.planes)
         return f"<mrc.Endpoint planes=[{planes}]{' closed' if self.ep == NULL else ''}>"
 
 
@@ -497,7 +660,7 @@ cdef class MemoryRegion:
         else:
             try:
                 PyObject_GetBuffer(obj, &self.view, PyBUF_WRITABLE)
-            except BufferError:
+            except (BufferError, ValueError):  # numpy says read-only with a ValueError
                 if remote_write:
                     raise errors.UsageError(
                         f"cannot register {type(obj).__name__} with remote_write=True: it "
@@ -506,7 +669,7 @@ cdef class MemoryRegion:
                         "source") from None
                 try:
                     PyObject_GetBuffer(obj, &self.view, PyBUF_SIMPLE)
-                except BufferError:
+                except (BufferError, ValueError):
                     raise errors.UsageError(
                         f"cannot register {type(obj).__name__}: it must be a contiguous "
                         "buffer (bytes, bytearray, numpy array, memoryview)") from None
@@ -662,7 +825,9 @@ cdef class Connection:
             check(c.mrc_conn_add_path(self._ptr(), &spec),
                   lambda: f"Bad path {p.id} (plane {p.plane} -> {p.dst_addr} via {segs})")
 
-    cdef uint64_t _span(self, MemoryRegion mr, uint64_t offset, length, str what) except? 0:
+    cdef uint64_t _span(self, MemoryRegion mr, offset, length, str what) except? 0:
+        offset = _u64(offset, what, "offset")
+        length = None if length is None else _u64(length, what, "length")
         if mr is None:
             raise errors.UsageError(f"{what}: a MemoryRegion is required")
         if mr.endpoint is not self.endpoint:
@@ -698,8 +863,8 @@ cdef class Connection:
         q._regions.add(local)  # no Operation holds it: the CQ keeps it alive
         return None
 
-    def write(self, MemoryRegion local, remote, *, uint64_t offset=0, length=None,
-              uint64_t remote_offset=0, imm=None, cq=None, uint64_t ctx=0):
+    def write(self, MemoryRegion local, remote, *, offset=0, length=None,
+              remote_offset=0, imm=None, cq=None, uint64_t ctx=0):
         """RDMA WRITE local[offset:offset+length] to remote[remote_offset:...]. With
         `imm`, the peer's wait_imm() returns it once every byte is in place.
         With `cq`, the completion goes to that CompletionQueue with `ctx` and
@@ -707,6 +872,8 @@ cdef class Connection:
         if not isinstance(remote, RemoteRegion):
             raise errors.UsageError("write: remote must be a RemoteRegion (peer's descriptor())")
         cdef uint64_t n = self._span(local, offset, length, "write")
+        remote_offset = _u64(remote_offset, "write", "remote_offset")
+        imm = None if imm is None else _u64(imm, "write", "imm")  # 32 bits: checked below
         if remote_offset > remote.size or n > remote.size - remote_offset:
             raise errors.UsageError(
                 f"write: remote bytes [{remote_offset}, {remote_offset + n}) are outside the "
@@ -725,11 +892,12 @@ cdef class Connection:
             wr.flags = c.MRC_WRITE_IMM
         return self._post(&wr, local, n, cq, ctx, "write")
 
-    def send(self, MemoryRegion local, *, uint64_t offset=0, length=None,
-             uint64_t tag=0, cq=None, uint64_t ctx=0):
+    def send(self, MemoryRegion local, *, offset=0, length=None,
+             tag=0, cq=None, uint64_t ctx=0):
         """Two-sided SEND of local[offset:offset+length], matched by tag at the peer.
         `cq`, `ctx`: as for write()."""
         cdef uint64_t n = self._span(local, offset, length, "send")
+        tag = _u64(tag, "send", "tag")
         cdef c.mrc_wr wr
         memset(&wr, 0, sizeof(wr))
         wr.kind = c.MRC_OP_SEND
@@ -738,11 +906,12 @@ cdef class Connection:
         wr.tag = tag
         return self._post(&wr, local, n, cq, ctx, "send")
 
-    def recv(self, MemoryRegion local, *, uint64_t offset=0, length=None,
+    def recv(self, MemoryRegion local, *, offset=0, length=None,
              tag=None, cq=None, uint64_t ctx=0):
         """Post a receive buffer for the next SEND with `tag` (None: any tag).
         `cq`, `ctx`: as for write()."""
         cdef uint64_t n = self._span(local, offset, length, "recv")
+        tag = None if tag is None else _u64(tag, "recv", "tag")
         cdef c.mrc_wr wr
         memset(&wr, 0, sizeof(wr))
         wr.kind = c.MRC_OP_RECV

@@ -23,6 +23,7 @@ cdef extern from "mrc.h" nogil:
         MRC_EUSAGE
         MRC_EREMOTE
         MRC_ENOBUFS
+        MRC_ENOTMRC
         MRC_EBUSY
         MRC_ERNR
         MRC_EABORT
@@ -77,6 +78,8 @@ cdef extern from "mrc.h" nogil:
     int mrc_conn_create(mrc_ep *ep, const char *name, mrc_conn **out)
     int mrc_conn_add_path(mrc_conn *c, const mrc_path_spec *p)
     int mrc_conn_connect(mrc_conn *c, const char *addr, uint16_t port, int timeout_ms)
+    int mrc_conn_connect_any(mrc_conn *c, const char *const *addrs, int naddrs, uint16_t port,
+                             int timeout_ms, int *errs)
     int mrc_ep_accept(mrc_ep *ep, int timeout_ms, mrc_conn **out)
     int mrc_conn_establish(mrc_conn *c, int timeout_ms)
     const char *mrc_conn_peer_name(const mrc_conn *c)

@@ -394,8 +394,12 @@ class DeviceWork:
         self._work, self._copier, self._out = work, copier, out
 
     def wait(self, timeout: float | None = None) -> Any:
+        """Blocks until done. The result's last copy is complete on return (a host
+        wait on its event), so a waiter on any thread (the torch backend's
+        completer) hands on finished memory; the caller's stream waits on it too."""
         event = self._work.wait(timeout)
         if event is not None:
+            self._copier.sync(event)
             self._copier.finish(event)
         return self._out
 

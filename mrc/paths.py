@@ -10,11 +10,12 @@ Path ids are mirrored in the table, so both directions of path k share plane and
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterable
 from pathlib import Path as FsPath
 from typing import Any
 
-from mrc import Connection, Endpoint
+from mrc import Connection, Endpoint, MrcError, UsageError
 from mrc.routing import Fabric, Path, host_planes, load_fabric, paths
 
 
@@ -25,21 +26,35 @@ class FabricEndpoint:
         self.fabric = fabric
         self.host = fabric.host(host).name  # raises FabricError for an unknown host
         self.failed = frozenset(failed)
-        self.endpoint = Endpoint(host_planes(fabric, host), **ep)
+        planes = host_planes(fabric, host)
+        try:
+            self.endpoint = Endpoint(planes, **ep)
+        except MrcError as e:
+            if getattr(e, "code", None) != -errno.EADDRNOTAVAIL:
+                raise
+            raise UsageError(
+                f"host {self.host}'s addresses ({', '.join(planes)}) are not on this machine's "
+                f"interfaces: run this inside the host's namespace, e.g. `mrc-fabric exec "
+                f"{self.host} --name NAME -- COMMAND` ({e})"
+            ) from e
 
     def paths_to(self, peer: str) -> list[Path]:
         """The route table's usable paths from this host to `peer`."""
         return paths(self.fabric, self.host, peer, self.failed)
 
     def listen(self, port: int = 0) -> int:
-        """Listen for connection hellos on this host's plane 0 address."""
+        """Listen for connection hellos on every plane address of this host."""
         return self.endpoint.listen(port)
 
     def connect(self, peer: str, port: int, timeout: float | None = 5.0) -> Connection:
-        """Connect to `peer` (a host name of the fabric) listening on `port`."""
-        dst = host_planes(self.fabric, peer)[0]
+        """Connect to `peer` (a host name of the fabric) listening on `port`: the set-up
+        races over every plane of the peer, so it works while any plane is up."""
         return self.endpoint.connect(
-            dst, port, timeout=timeout, paths=self.paths_to(peer), name=self.host
+            host_planes(self.fabric, peer),
+            port,
+            timeout=timeout,
+            paths=self.paths_to(peer),
+            name=self.host,
         )
 
     def accept(self, timeout: float | None = None) -> Connection:

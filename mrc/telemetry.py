@@ -25,6 +25,13 @@ class StatsServer:
     def __init__(self, ep: Endpoint, path: str) -> None:
         self.path = path
         self._ep = ep
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            from mrc.errors import UsageError
+
+            raise UsageError(
+                f"serve_stats: cannot create {path}: directory {parent} does not exist"
+            )
         if os.path.exists(path):
             # A stale socket from a dead process is replaced; a live one is not.
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -62,16 +62,19 @@ static void active_unlink(mrc_ep *ep, mrc_conn *c)
 }
 
 /* CLOSE on every live path: one is enough, losing all is unlikely. It
- * carries our next PSN: the peer accepts a CLOSE only if that PSN lies in its
- * receive window (rx.c), so a blind forger must guess it as well as the
+ * carries our cumulative receive PSN (in ts, MRC_F_CUM): what we received is
+ * acknowledged by it, since the ACK that said so may arrive after the CLOSE on
+ * another path (a SEND whose RECV completed here would otherwise fail at the
+ * peer). And it carries our next PSN: the peer accepts a CLOSE only if that
+ * PSN lies in its receive window (rx.c), so a blind forger must guess it as well as the
  * connection id (RFC 5961 does the same for TCP RST). */
 static void conn_send_close_pt(mrc_conn *c)
 {
-    uint64_t now = now_ns();
     c->closing_sent = true;
     for (int i = 0; i < c->npaths; i++)
         if (c->paths[i].state != MRC_PATH_FAILED)
-            path_send_ctrl_pt(c, &c->paths[i], c->paths[i].id, MRC_PKT_CLOSE, c->next_psn, now);
+            path_send_ctrl_pt(c, &c->paths[i], c->paths[i].id, MRC_PKT_CLOSE, MRC_F_CUM,
+                              c->next_psn, c->rx_cum);
 }
 
 /* Puts a live connection into error: every pending op fails with op_err,

@@ -35,6 +35,7 @@ const char *mrc_strerror(int rc)
     case MRC_ENOBUFS: return "table full";
     case MRC_EABORT: return "collective aborted";
     case MRC_EMISMATCH: return "ranks called the collective with different arguments";
+    case MRC_ENOTMRC: return "not an mrc endpoint (it answered in another protocol)";
     case MRC_EBUSY: return "still in use by pending operations";
     case MRC_ERNR: return "receiver not ready: the peer posted no RECV (or took no immediate) within the RNR limit";
     default: return rc < 0 && rc > -4096 ? strerror(-rc) : "unknown error";
@@ -105,7 +106,9 @@ void mrc_ep_config_init(struct mrc_ep_config *cfg)
     memset(cfg, 0, sizeof(*cfg));
 }
 
-/* MRC_LOSS="PLANE:PROB,..." or "all:PROB": loss injection without code. */
+/* MRC_LOSS="PLANE:PERCENT,..." or "all:PERCENT" (e.g. "1:5" or "1:5%"): loss
+ * injection without code. Percent, like every mrc command line (mrc-perf
+ * --loss, mrc-fabric loss); only the C and Python calls take a probability. */
 static int ep_env_loss(mrc_ep *ep)
 {
     const char *env = getenv("MRC_LOSS");
@@ -121,8 +124,9 @@ static int ep_env_loss(mrc_ep *ep)
         *colon = 0;
         char *end;
         double p = strtod(colon + 1, &end);
-        if (*end || p < 0 || p > 1)
+        if (end == colon + 1 || (*end && strcmp(end, "%") != 0) || p < 0 || p > 100)
             return MRC_EUSAGE;
+        p /= 100.0;
         if (strcmp(tok, "all") == 0) {
             for (int i = 0; i < ep->nplanes; i++)
                 ep->planes[i].tx_loss = p;
@@ -165,7 +169,7 @@ int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out)
                                                                           : ep->cfg.timeout_ms);
     atomic_init(&ep->refs, 1);
     ep->nplanes = cfg->nplanes;
-    ep->epfd = ep->evfd = ep->listen_fd = ep->nl_fd = -1;
+    ep->epfd = ep->evfd = ep->nl_fd = -1;
     ep->rng = rand_u64() | 1;
     for (uint32_t i = 1; i < MRC_SLOTS; i++) { /* slot 0 unused: ids are never 0 */
         ep->conn_free[ep->nconn_free++] = MRC_SLOTS - i;
@@ -233,6 +237,7 @@ void mrc_ep_destroy(mrc_ep *ep)
 {
     if (!ep)
         return;
+    hs_free(ep); /* first: waits for accept calls in other threads to return */
     pthread_mutex_lock(&ep->lock);
     ep->stopping = true;
     pthread_mutex_unlock(&ep->lock);
@@ -253,8 +258,6 @@ void mrc_ep_destroy(mrc_ep *ep)
         close(ep->socks[i]->fd);
         free(ep->socks[i]);
     }
-    if (ep->listen_fd >= 0)
-        close(ep->listen_fd);
     if (ep->nl_fd >= 0)
         close(ep->nl_fd);
     close(ep->epfd);
@@ -273,19 +276,6 @@ void ep_unref(mrc_ep *ep)
     for (int i = 0; i < MRC_OP_CVS; i++)
         pthread_cond_destroy(&ep->op_cv[i]);
     free(ep);
-}
-
-int mrc_ep_unlisten(mrc_ep *ep)
-{
-    pthread_mutex_lock(&ep->lock);
-    int fd = ep->listen_fd;
-    pthread_mutex_unlock(&ep->lock);
-    /* shutdown, not close: poll() in a blocked accept wakes (POLLHUP) and
-     * accept4 fails with EINVAL, while the descriptor stays ours until
-     * mrc_ep_destroy (a closed number could be reused under that accept). */
-    if (fd >= 0 && shutdown(fd, SHUT_RDWR) < 0 && errno != ENOTCONN)
-        return -errno;
-    return 0;
 }
 
 int mrc_ep_nplanes(const mrc_ep *ep) { return ep->nplanes; }

@@ -384,7 +384,7 @@ struct mrc_ep {
     mrc_conn *own_conns, *own_conns_tail; /* connections and regions not yet destroyed */
     mrc_mr *own_mrs, *own_mrs_tail;
     mrc_cq *own_cqs, *own_cqs_tail;
-    int listen_fd;
+    struct hs_state *hs; /* [lock] listeners and pending hellos (handshake.c) */
 
     /* progress thread */
     int nsocks;
@@ -428,6 +428,8 @@ void ep_unref(mrc_ep *ep);
 void op_unref(mrc_op *op);
 void ep_hold_pt(mrc_ep *ep, bool force);
 void conn_free(mrc_conn *c);
+/* handshake.c */
+void hs_free(mrc_ep *ep);
 void ep_ctl_run_pt(mrc_ep *ep, struct ctl *c);
 int addr_parse(const char *s, uint16_t port, struct sockaddr_storage *ss, socklen_t *len);
 void addr_format(const struct sockaddr_storage *ss, char *buf, size_t len);
@@ -458,6 +460,7 @@ void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
                   const struct mrc_ack_ext *a, uint64_t now);
 void tx_on_nak_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
                   const struct mrc_nak_ext *n);
+void tx_on_close_cum_pt(mrc_conn *c, uint32_t cum, uint64_t now);
 void tx_lose_pt(mrc_conn *c, struct tx_pkt *t);
 void tx_timers_pt(mrc_conn *c, uint64_t now);
 void tx_flush_path_pt(mrc_conn *c, struct path *p);
@@ -482,7 +485,7 @@ void path_on_probe_ack_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t now
 void path_timers_pt(mrc_conn *c, uint64_t now, bool busy);
 uint64_t path_rto(const struct path *p);
 uint64_t path_quick_rto(const struct path *p);
-int path_send_ctrl_pt(mrc_conn *c, struct path *p, int id, int type, uint32_t psn,
+int path_send_ctrl_pt(mrc_conn *c, struct path *p, int id, int type, int flags, uint32_t psn,
                       uint64_t ts);
 void path_init(struct path *p, uint32_t mss);
 

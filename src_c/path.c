@@ -133,7 +133,8 @@ struct path *path_for_ack_pt(mrc_conn *c, int id)
 /* A header-only packet on path p. `id` goes in the path field: p's own id for
  * a PROBE, the echoed id for a PROBE_ACK (which may leave on another path
  * when the mirror is down: the id, not the socket, names what is answered). */
-int path_send_ctrl_pt(mrc_conn *c, struct path *p, int id, int type, uint32_t psn, uint64_t ts)
+int path_send_ctrl_pt(mrc_conn *c, struct path *p, int id, int type, int flags, uint32_t psn,
+                      uint64_t ts)
 {
     mrc_ep *ep = c->ep;
     if (!p || sock_batch_full_pt(ep, p->sock))
@@ -144,7 +145,8 @@ int path_send_ctrl_pt(mrc_conn *c, struct path *p, int id, int type, uint32_t ps
     }
     uint8_t *buf = sock_tx_slot_pt(ep, p, MRC_CTRL_LEN, NULL, 0);
     *(struct mrc_hdr *)buf = (struct mrc_hdr){.magic = MRC_MAGIC, .version = MRC_WIRE_VERSION,
-                                              .type = (uint8_t)type, .path = (uint8_t)id,
+                                              .type = (uint8_t)type, .flags = (uint8_t)flags,
+                                              .path = (uint8_t)id,
                                               .conn = c->peer_id, .psn = psn, .ts = ts};
     return 0;
 }
@@ -155,7 +157,7 @@ static void path_probe_pt(mrc_conn *c, struct path *p, uint64_t now)
     p->probe_sent_ns = now;
     p->probe_out = true;
     p->probes++;
-    path_send_ctrl_pt(c, p, p->id, MRC_PKT_PROBE, p->probe_seq, now);
+    path_send_ctrl_pt(c, p, p->id, MRC_PKT_PROBE, 0, p->probe_seq, now);
 }
 
 void path_set_state_pt(mrc_conn *c, struct path *p, int state, uint64_t now)

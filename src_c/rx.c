@@ -490,7 +490,7 @@ void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, ui
         tx_on_nak_pt(c, p, h, (const struct mrc_nak_ext *)(h + 1));
         break;
     case MRC_PKT_PROBE:
-        path_send_ctrl_pt(c, path_for_ack_pt(c, h->path), h->path, MRC_PKT_PROBE_ACK, h->psn,
+        path_send_ctrl_pt(c, path_for_ack_pt(c, h->path), h->path, MRC_PKT_PROBE_ACK, 0, h->psn,
                           h->ts);
         break;
     case MRC_PKT_PROBE_ACK:
@@ -505,6 +505,8 @@ void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, ui
             DROP(ep, PSN_WINDOW);
             break;
         }
+        if (h->flags & MRC_F_CUM)
+            tx_on_close_cum_pt(c, (uint32_t)h->ts, now);
         conn_fail_pt(c, MRC_ECLOSED, MRC_ECLOSED);
         break;
     }

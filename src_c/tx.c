@@ -199,6 +199,21 @@ static void tx_ack_one_pt(mrc_conn *c, uint32_t psn, uint64_t now)
     }
 }
 
+/* The peer's CLOSE says it received every PSN below cum: those packets are
+ * acknowledged, so operations they complete succeed before the rest fail. */
+void tx_on_close_cum_pt(mrc_conn *c, uint32_t cum, uint64_t now)
+{
+    /* Nothing may be acknowledged that was never sent, nor acked twice. */
+    if (psn_diff(cum, c->next_psn) > 0 || psn_diff(cum, c->una) <= 0)
+        return;
+    for (uint32_t psn = c->una; psn != cum; psn++)
+        tx_ack_one_pt(c, psn, now);
+    while (c->una != cum && tx_slot(c, c->una)->acked) {
+        tx_slot(c, c->una)->op = NULL;
+        c->una++;
+    }
+}
+
 /*
  * An ACK: cumulative psn, a 512-bit SACK block, and the echo of the latest
  * packet the receiver got on path h->path (its send timestamp).

@@ -54,6 +54,8 @@ enum mrc_pkt_type {
 #define MRC_F_FIRST 0x01u /* first packet of a message */
 #define MRC_F_LAST 0x02u  /* last packet of a message */
 #define MRC_F_IMM 0x04u   /* WRITE with immediate: deliver imm when complete */
+/* CLOSE flags */
+#define MRC_F_CUM 0x08u   /* ts carries the closer's cumulative receive PSN */
 
 struct mrc_hdr {
     uint16_t magic;

@@ -24,6 +24,6 @@ cp build/gpu/_datapath*.so mrc/
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 "$PY" -c "import mrc, mrc.gpu; print('mrc', mrc.__version__, 'from', mrc.__file__)"
 # Tests: every GPU test, plus the staging tests that run anywhere.
-"$PY" -m pytest -q -p no:cacheprovider -o addopts= tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+"$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_torch.py -k "gpu or cuda" 2>&1 | tee "$OUT/gpu_tests.log"
 # The benchmark: CUDA tensors vs host memory vs Gloo with CUDA tensors.
 "$PY" benchmarks/gpu_allreduce.py ${1:-} --out "$OUT/gpu_allreduce.json" 2>&1 | tee "$OUT/gpu_bench.log"

@@ -2,9 +2,9 @@
 
     mrc-fabric up FABRIC [--name PREFIX]      namespaces <PREFIX>-<element> (default "mrc")
     mrc-fabric fail|heal ELEMENT [--name P]   a link, switch, host or planeN
-    mrc-fabric loss LINK PERCENT [--name P]   random drop on a link (0 removes it)
+    mrc-fabric loss LINK PERCENT [--name P]   drop PERCENT % on a link (0 removes it)
     mrc-fabric status [--name P] [--json]
-    mrc-fabric exec ELEMENT [--name P] -- CMD...
+    mrc-fabric exec ELEMENT [--name P] -- CMD...  finds this venv's tools (mrc-perf, python)
     mrc-fabric down [--name P]                also cleans up after a crash
 
 Exit codes: 0 fine, 1 a command failed, 2 bad input (fabric file, element name).
@@ -46,11 +46,16 @@ def _fail(err: Exception) -> NoReturn:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mrc", prog_name="mrc-fabric")
 def cli() -> None:
-    """Build a fabric file (routing/*.toml) as real network namespaces (needs root)."""
+    """Build a fabric file (routing/*.toml) as real network namespaces (needs root).
+
+    Loss is given in percent, as everywhere on mrc's command lines (mrc-perf --loss,
+    MRC_LOSS); the Python API (Endpoint.inject) takes a probability 0..1.
+    """
 
 
-@cli.command()
+@cli.command(short_help="Build FABRIC as namespaces, veth links, SIDs, rate limits.")
 @click.argument("fabric")
 @_name
 def up(fabric: str, prefix: str) -> None:
@@ -63,7 +68,7 @@ def up(fabric: str, prefix: str) -> None:
     click.echo(f"up: {st['fabric']} as {st['namespaces']} namespaces {prefix}-*")
 
 
-@cli.command()
+@cli.command(short_help="Remove the fabric (also the leftovers of a crash).")
 @_name
 def down(prefix: str) -> None:
     """Remove every namespace of the fabric (also leftovers of a crash) and its state."""
@@ -74,7 +79,7 @@ def down(prefix: str) -> None:
     click.echo(f"down: removed {len(gone)} namespaces {prefix}-*")
 
 
-@cli.command()
+@cli.command(short_help="Fail a link, switch, host or planeN.")
 @click.argument("element")
 @_name
 def fail(element: str, prefix: str) -> None:
@@ -98,12 +103,13 @@ def heal(element: str, prefix: str) -> None:
     click.echo(f"failed: {', '.join(st.failed) or 'none'}")
 
 
-@cli.command()
+@cli.command(short_help="Drop PERCENT % of LINK's packets (0 removes it).")
 @click.argument("link")
 @click.argument("percent", type=click.FloatRange(0, 100))
 @_name
 def loss(link: str, percent: float, prefix: str) -> None:
-    """Drop PERCENT % (e.g. 2 or 0.5) of the packets on LINK, both directions (0 removes it)."""
+    """Drop PERCENT % (e.g. 2 or 0.5: percent, not a fraction) of the packets on LINK, both
+    directions; 0 removes it."""
     try:
         st = netns.set_loss(prefix, link, percent)
     except (FabricError, FabricNetError) as e:
@@ -111,7 +117,7 @@ def loss(link: str, percent: float, prefix: str) -> None:
     click.echo("loss: " + (", ".join(f"{k} {v}%" for k, v in st.loss.items()) or "none"))
 
 
-@cli.command()
+@cli.command(short_help="What is up, failed, down and lossy.")
 @_name
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(prefix: str, as_json: bool) -> None:
@@ -141,12 +147,24 @@ def status(prefix: str, as_json: bool) -> None:
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 @_name
 def exec_(element: str, cmd: tuple[str, ...], prefix: str) -> None:
-    """Run CMD in ELEMENT's namespace: mrc-fabric exec h0 -- iperf3 -s."""
+    """Run CMD in ELEMENT's namespace: mrc-fabric exec h0 -- iperf3 -s.
+
+    The directory of this mrc-fabric's Python (the venv's bin: mrc-perf, mrc-route,
+    python) goes first on CMD's PATH, so the project's tools are found even when sudo
+    reset PATH."""
     try:
         argv = netns.exec_argv(prefix, element, cmd)
     except (FabricError, FabricNetError) as e:
         _fail(e)
-    os.execvp(argv[0], argv)
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([_tools_dir(), env.get("PATH", os.defpath)])
+    os.execvpe(argv[0], argv, env)
+
+
+def _tools_dir() -> str:
+    # Not resolved: a venv's bin/python is a link to the base interpreter, and the
+    # venv's scripts live next to the link.
+    return os.path.dirname(os.path.abspath(sys.executable))
 
 
 def main() -> None:

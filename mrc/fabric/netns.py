@@ -53,11 +53,11 @@ def _run(cmd: Sequence[str], input: str | None = None, check: bool = True) -> st
     return proc.stdout
 
 
-def _parallel(jobs: Iterable[tuple[Sequence[str], str | None]]) -> None:
+def _parallel(jobs: Iterable[tuple[Sequence[str], str | None]], check: bool = True) -> None:
     """Run (command, stdin) jobs in parallel; raise the first failure after all finished."""
     jobs = list(jobs)
     with ThreadPoolExecutor(max_workers=_WORKERS) as pool:
-        futures = [pool.submit(_run, cmd, inp) for cmd, inp in jobs]
+        futures = [pool.submit(_run, cmd, inp, check) for cmd, inp in jobs]
         errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
         raise errors[0]  # type: ignore[misc]
@@ -154,13 +154,30 @@ def _end_sid_command(fabric: Fabric, sw: Switch, down: frozenset[str]) -> str | 
 
 
 def _node_commands(
-    fabric: Fabric, node: Host | Switch, down: frozenset[str], routes: list[Route]
+    fabric: Fabric,
+    node: Host | Switch,
+    down: frozenset[str],
+    routes: list[Route],
+    flush: bool = True,
 ) -> list[str]:
-    cmds = [f"route flush proto {ROUTE_PROTO}"]
+    """The node's routes. flush=False (a fail or heal) replaces routes in place instead of
+    flushing first: a flush left every plane without routes for a moment, so a TCP
+    connect over a healthy plane failed with "Network is unreachable" while another
+    plane flapped."""
+    cmds = [f"route flush proto {ROUTE_PROTO}"] if flush else []
     if isinstance(node, Switch) and (end := _end_sid_command(fabric, node, down)):
         cmds.append(end)
     cmds += [r.command() for r in routes]
     return cmds
+
+
+def _stale_routes(node: Host | Switch, old: list[Route], new: list[Route], end: bool) -> str:
+    """`route del` commands for the prefixes that `new` no longer has."""
+    keep = {r.prefix for r in new}
+    gone = [r.prefix for r in old if r.prefix not in keep]
+    if isinstance(node, Switch) and not end:
+        gone.append(f"{node.sid}/128")
+    return "".join(f"route del {p} proto {ROUTE_PROTO}\n" for p in gone)
 
 
 def _sysctls(node: Host | Switch) -> str:
@@ -287,15 +304,29 @@ def _apply_failed(
         for node in (link.a, link.b):
             batches.setdefault(node, []).append(f"link set {link.end(node)[0]} {verb}")
     old_routes, new_routes = compute_routes(fabric, was), compute_routes(fabric, now)
+    stale: dict[str, str] = {}
     for node in fabric.nodes():
         el = fabric.element(node)
         assert isinstance(el, Host | Switch)
         touched = node in batches
         if touched or old_routes[node] != new_routes[node]:
-            batches.setdefault(node, []).extend(_node_commands(fabric, el, now, new_routes[node]))
+            batches.setdefault(node, []).extend(
+                _node_commands(fabric, el, now, new_routes[node], flush=False)
+            )
+            has_end = isinstance(el, Switch) and _end_sid_command(fabric, el, now) is not None
+            stale[node] = _stale_routes(el, old_routes[node], new_routes[node], has_end)
     _parallel(
         (["ip", "-6", "-n", ns_name(prefix, node), "-batch", "-"], "\n".join(cmds) + "\n")
         for node, cmds in batches.items()
+    )
+    # The kernel may have dropped some with their link already: errors are expected.
+    _parallel(
+        (
+            (["ip", "-6", "-force", "-n", ns_name(prefix, node), "-batch", "-"], dels)
+            for node, dels in stale.items()
+            if dels
+        ),
+        check=False,
     )
 
 

@@ -59,6 +59,7 @@ def data(size: int, seed: int) -> np.ndarray:
 
 
 @click.group()
+@click.version_option(package_name="mrc", prog_name="mrc.fabric.xfer")
 def cli() -> None:
     """Verified transfers between fabric hosts."""
 
@@ -110,6 +111,8 @@ def common(f: Any) -> Any:
 @cli.command()
 @common
 def server(job: Job) -> None:
+    """Receive one verified transfer on --host: print {"event": "listening", "port": P},
+    accept one client, then print {"event": "done", "sha256": ...} of what landed."""
     size, mode, chunk = job.size, job.mode, job.chunk
     fe = job.endpoint()
     emit(event="listening", port=fe.listen(job.port))
@@ -170,7 +173,7 @@ def stream_server(fe: Any, conn: mrc.Connection, size: int, chunk: int) -> None:
 @click.option("--depth", default=16, help="Operations in flight.")
 @click.option("--progress", default=0.05, help="Report every this fraction of the size.")
 @click.option("--timeline", is_flag=True, help="Report each operation's completion time.")
-@click.option("--seed", default=1)
+@click.option("--seed", default=1, help="Seed of the data pattern (the server needs none).")
 @click.option(
     "--linger",
     is_flag=True,
@@ -185,6 +188,8 @@ def client(
     seed: int,
     linger: bool,
 ) -> None:
+    """Send a seeded pattern from --host to the server on --peer (port --port), printing
+    progress events and {"event": "done", "sha256": ...} of what was sent."""
     size, mode, chunk = job.size, job.mode, job.chunk
     fe = job.endpoint()
     conn = fe.connect(peer, job.port, timeout=30)

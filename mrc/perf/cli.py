@@ -69,6 +69,39 @@ def _size(ctx: click.Context, param: click.Parameter, value: int | None) -> int 
     return value
 
 
+def _source_for(server: str) -> str | None:
+    """The local address the routing table picks to reach `server` (perftest's habit:
+    the client names only the server), or None for loopback or an unroutable one."""
+    import ipaddress
+    import socket
+
+    try:
+        ip = ipaddress.ip_address(server)
+    except ValueError:
+        return None  # a host name: resolved by connect, planes stay the default
+    if ip.is_loopback:
+        return None
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((server, 9))  # UDP: no packet leaves, the kernel only picks a route
+        except OSError:
+            return None
+        return str(s.getsockname()[0])
+
+
+def _out_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Checked before the run, so a bad path does not lose a finished run's results."""
+    if value is None:
+        return None
+    parent = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(parent):
+        raise click.BadParameter(f"{value}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(value) and not os.access(value, os.W_OK)):
+        raise click.BadParameter(f"{value}: not writable")
+    return value
+
+
 def common_options(f: F) -> F:
     """perftest's options, plus mrc's multipath ones; the same on every test."""
     opts = [
@@ -149,13 +182,16 @@ def common_options(f: F) -> F:
             "--out_json_file",
             "--out-json-file",
             "out_json_file",
-            type=click.Path(dir_okay=False),
-            help="Write the JSON results here.",
+            type=click.Path(dir_okay=False, writable=True),
+            callback=_out_file,
+            help="Write the JSON results here (checked before the run).",
         ),
         click.option(
             "--planes",
-            help="Local plane addresses, comma-separated (default: "
-            f"server {DEFAULT_SERVER_PLANES}, client {DEFAULT_CLIENT_PLANES}).",
+            help="Local plane addresses, comma-separated. Default: the server "
+            f"{DEFAULT_SERVER_PLANES} (loopback only: give --planes to be reachable from "
+            "other hosts); the client the address it routes to SERVER from "
+            f"({DEFAULT_CLIENT_PLANES} for a loopback SERVER).",
         ),
         click.option(
             "--fabric",
@@ -188,7 +224,8 @@ def common_options(f: F) -> F:
             multiple=True,
             type=str,
             metavar="P:PCT",
-            help="Drop PCT percent of packets sent on local plane P (repeatable).",
+            help="Drop PCT percent (0..100, not a fraction) of the packets sent on local "
+            "plane P (repeatable); MRC_LOSS takes the same form.",
         ),
         click.option(
             "--local", is_flag=True, help="Run server and client here, over loopback planes."
@@ -223,6 +260,8 @@ def _run(test: str, **kw: Any) -> None:
         raise click.UsageError("--local runs both sides itself: no SERVER, --planes or --fabric")
     server = kw["server"]
     default_planes = DEFAULT_CLIENT_PLANES if server else DEFAULT_SERVER_PLANES
+    if server and not kw["planes"] and not kw["fabric"]:
+        default_planes = _source_for(server) or default_planes
     planes = [p.strip() for p in (kw["planes"] or default_planes).split(",") if p.strip()]
     nplanes = kw["nplanes"] if kw["local"] else len(planes)
     for p, _ in fail_plane + loss:
@@ -249,6 +288,7 @@ def _run(test: str, **kw: Any) -> None:
         out_json=kw["out_json"],
         out_json_file=kw["out_json_file"],
         quiet=kw["quiet"],
+        planes_given=bool(kw["planes"] or kw["fabric"]),
     )
     fabric = (kw["fabric"], kw["host"]) if kw["fabric"] else None
     try:
@@ -269,6 +309,7 @@ def _run(test: str, **kw: Any) -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mrc", prog_name="mrc-perf")
 def main() -> None:
     """perftest-style bandwidth and latency tests over mrc.
 

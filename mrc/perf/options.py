@@ -61,6 +61,7 @@ class PerfOptions:
     out_json: bool = False
     out_json_file: str | None = None
     quiet: bool = False
+    planes_given: bool = False  # --planes on the command line (else the defaults)
 
     @property
     def is_bw(self) -> bool:

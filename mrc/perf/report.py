@@ -31,8 +31,10 @@ def header_block(
     npaths: int,
     local_key: int | None,
     remote_key: int | None,
+    mss: tuple[int, int, int | None] | None = None,
 ) -> str:
-    """perftest's dashed box, adapted: connections instead of QPs, planes and paths."""
+    """perftest's dashed box, adapted: connections instead of QPs, planes and paths.
+    mss: (used, this side's --mss, the peer's) when known."""
     size = "2-8388608 (-a)" if opts.all_sizes else str(opts.size)
     lines = [
         RULE,
@@ -41,7 +43,7 @@ def header_block(
         f" Connection type : RC{'':<12}Using SRQ      : OFF",
         f" TX depth        : {opts.tx_depth if opts.is_bw else 1}",
         f" Message size    : {size}[B]",
-        f" Mss             : {opts.mss}[B]",
+        f" Mss             : {_mss_text(opts.mss, mss)}",
         f" Planes          : {len(local_planes)}",
         f" Paths per conn  : {npaths}",
         " Data ex. method : mrc SEND (control tag)",
@@ -53,7 +55,7 @@ def header_block(
         faults += [f"plane {p} loss {pct:g}%" for p, pct in opts.loss]
         lines.append(f" Faults (local)  : {', '.join(faults)}")
     lines.append(RULE)
-    local = ",".join(f"{a}:{p}" for a, p in local_planes)
+    local = ",".join(hostport(a, p) for a, p in local_planes)
     lines.append(
         f" local address:  planes {local}"
         + (f"  Key {local_key:#018x}" if local_key is not None else "")
@@ -64,6 +66,18 @@ def header_block(
     )
     lines.append(RULE)
     return "\n".join(lines)
+
+
+def hostport(addr: str, port: int) -> str:
+    """addr:port, IPv6 in brackets ([fd00::1]:4791), so the port is not read as a group."""
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
+def _mss_text(mine: int, mss: tuple[int, int, int | None] | None) -> str:
+    if mss is None or mss[2] is None or mss[2] == mine:
+        return f"{mine if mss is None else mss[0]}[B]"
+    used, _, peer = mss
+    return f"{used}[B] (the smaller: this side --mss {mine}, peer {peer})"
 
 
 def table_header(opts: PerfOptions) -> str:

@@ -20,8 +20,10 @@ with a message, never a hang.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import io
+import json
 import os
 import threading
 import time
@@ -169,7 +171,7 @@ class Observer:
             t.daemon = True
             t.start()
             self._timers.append(t)
-        if self.opts.show_paths:
+        if self.opts.show_paths or self.opts.out_json or self.opts.out_json_file:
             self.sample()
             th = threading.Thread(target=self._sampler, daemon=True, name="mrc-perf-sampler")
             th.start()
@@ -200,7 +202,7 @@ class Observer:
         self._stop.set()
         for th in self._threads:
             th.join()
-        if self.opts.show_paths:
+        if self.opts.show_paths or self.opts.out_json or self.opts.out_json_file:
             self.sample()
 
 
@@ -219,6 +221,13 @@ class Session:
     results: list[BwResult | LatResult] = field(default_factory=list)
     verify_ok: bool | None = None
     verify_note: str = ""
+    peer_mss: int | None = None  # from the hello/verdict; the connection uses the smaller
+    peer_planes: list[str] = field(default_factory=list)
+
+    @property
+    def mss(self) -> int:
+        """The payload bytes per packet the connection uses: the smaller side's."""
+        return min(self.opts.mss, self.peer_mss or self.opts.mss)
 
     @property
     def ep(self) -> mrc.Endpoint:
@@ -237,6 +246,9 @@ class Session:
             self.ep.inject(plane, loss=pct / 100.0)
 
     def begin(self, peer_planes: list[str], local_key: int | None, remote_key: int | None) -> None:
+        """Prints the header. local_key: the key of this side's region the peer writes
+        into (the peer prints it as its remote key)."""
+        self.peer_planes = peer_planes
         self.print(
             report.header_block(
                 self.opts,
@@ -245,6 +257,7 @@ class Session:
                 self.conns[0].npaths,
                 local_key,
                 remote_key,
+                mss=(self.mss, self.opts.mss, self.peer_mss),
             )
         )
         self.print(report.table_header(self.opts))
@@ -287,8 +300,29 @@ class Session:
                 if self.verify_ok is None
                 else ("PASS" if self.verify_ok else "FAIL"),
                 "paths": paths,
+                "mss": {"used": self.mss, "local": self.opts.mss, "peer": self.peer_mss},
+                "planes": {
+                    "local": [report.hostport(a, p) for a, p in self.ep.planes],
+                    "peer": self.peer_planes,
+                },
+                "timeline": {
+                    "interval_s": SAMPLE_EVERY,
+                    "samples": [{"t": t, "plane_bytes": per} for t, per in obs.samples]
+                    if obs is not None
+                    else [],
+                    "events": [{"t": t, "event": e} for t, e in obs.events]
+                    if obs is not None
+                    else [],
+                },
+                "mrc_version": mrc.__version__,
+                "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             }
-            report.write_json(data, self.opts.out_json_file, self.out)
+            try:
+                report.write_json(data, self.opts.out_json_file, self.out)
+            except OSError as e:  # checked before the run; the directory may have gone since
+                self.out.write(json.dumps(data, indent=2) + "\n")
+                where = self.opts.out_json_file
+                raise PerfError(f"cannot write {where}: {e} (the JSON is printed above)") from e
         return 0 if self.verify_ok is not False else 1
 
     def close(self) -> None:
@@ -316,6 +350,8 @@ def run_server(
         return _serve(s, on_listen)
     except PeerGone as e:
         raise PerfError(f"client went away: {e}") from e
+    except mrc.MrcError as e:  # any other datapath error: a message, not a traceback
+        raise PerfError(f"the run failed: {e}") from e
     finally:
         s.close()
 
@@ -341,12 +377,17 @@ def _serve(s: Session, on_listen: Callable[[int], None] | None) -> int:
     s.print("\n************************************")
     s.print("* Waiting for client to connect... *")
     s.print("************************************")
-    s.print(f" mrc-perf server listening on {s.ep.planes[0][0]} port {port}")
+    where = ",".join(a for a, _ in s.ep.planes)
+    s.print(f" mrc-perf server listening on {where} port {port}")
+    if all(_is_loopback(a) for a, _ in s.ep.planes) and not opts.planes_given:
+        s.print(" (loopback only: start with --planes ADDR,... to be reachable from other hosts)")
     if on_listen is not None:
         on_listen(port)
     s.conns.append(_accept(s, None))
     s.ctrl = Control(s.ep, s.conns[0])
     hello = s.control().recv(30.0, expect="hello")
+    s.peer_mss = hello.get("mss")
+    _check_reach([a for a, _ in s.ep.planes], list(hello.get("planes", [])), "server")
     diff = mismatches(opts.wire(), hello.get("options", {}))
     if hello.get("version") != PROTO:
         diff.insert(0, ("protocol version", PROTO, hello.get("version")))
@@ -359,6 +400,7 @@ def _serve(s: Session, on_listen: Callable[[int], None] | None) -> int:
             "mismatch": diff,
             "region": mr.descriptor().pack().hex(),
             "planes": [a for a, _ in s.ep.planes],
+            "mss": opts.mss,
         }
     )
     if diff:
@@ -487,6 +529,8 @@ def run_client(opts: PerfOptions, out: TextIO, fabric: tuple[str, str] | None = 
         return _client(s)
     except PeerGone as e:
         raise PerfError(f"server went away: {e}") from e
+    except mrc.MrcError as e:  # any other datapath error: a message, not a traceback
+        raise PerfError(f"the run failed: {e}") from e
     finally:
         s.close()
 
@@ -495,9 +539,36 @@ def _connect(s: Session) -> mrc.Connection:
     try:
         return s.link.connect(10.0)
     except (mrc.UnreachableError, mrc.TimeoutError) as e:
-        raise PerfError(f"no mrc-perf server at {s.link.where} ({e})") from e
+        hint = ""
+        if s.opts.server and not _is_loopback(s.opts.server):
+            hint = (
+                "; a server on another host must be started with --planes naming its "
+                "addresses (without --planes it listens on 127.0.0.1 only)"
+            )
+        raise PerfError(f"no mrc-perf server at {s.link.where} ({e}){hint}") from e
     except mrc.MrcError as e:
         raise PerfError(f"cannot connect to the mrc-perf server at {s.link.where}: {e}") from e
+
+
+def _is_loopback(addr: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_reach(mine: list[str], peer: list[str], me: str) -> None:
+    """Loopback planes cannot talk to another host's: say --planes, not "invalid argument"."""
+    lo_mine = all(_is_loopback(a) for a in mine)
+    lo_peer = all(_is_loopback(a) for a in peer)
+    if peer and lo_mine != lo_peer:
+        raise PerfError(
+            f"the {me}'s planes ({', '.join(mine)}) and the peer's ({', '.join(peer)}) "
+            "cannot reach each other (loopback on one side only): give --planes with "
+            "each host's own addresses on both sides"
+        )
 
 
 def _client(s: Session) -> int:
@@ -516,9 +587,12 @@ def _client(s: Session) -> int:
             "options": opts.wire(),
             "region": rmr.descriptor().pack().hex(),
             "planes": [a for a, _ in s.ep.planes],
+            "mss": opts.mss,
         }
     )
     verdict = s.control().recv(30.0, expect="verdict")
+    s.peer_mss = verdict.get("mss")
+    _check_reach([a for a, _ in s.ep.planes], list(verdict.get("planes", [])), "client")
     if not verdict["ok"]:
         diff = [(o, theirs, mine) for o, mine, theirs in verdict["mismatch"]]
         raise PerfError(_mismatch_text(diff, "client", "server"))
@@ -526,7 +600,9 @@ def _client(s: Session) -> int:
         s.conns.append(_connect(s))
     s.apply_loss()
     remote = mrc.RemoteRegion.unpack(bytes.fromhex(verdict["region"]))
-    s.begin(list(verdict.get("planes", [])), smr.key, remote.key)
+    # rmr is the region the server writes into (its pongs): the key the server's header
+    # shows as remote.
+    s.begin(list(verdict.get("planes", [])), rmr.key, remote.key)
     progress = report.ProgressLine(not opts.quiet, opts.test)
     try:
         for step, size in enumerate(opts.sizes()):

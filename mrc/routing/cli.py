@@ -20,6 +20,7 @@ from pathlib import Path as FsPath
 from typing import Any, NoReturn, TypeVar
 
 import click
+from rich import box
 from rich.console import Console
 from rich.table import Table as RichTable
 
@@ -96,8 +97,10 @@ def _common(f: F) -> F:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mrc", prog_name="mrc-route")
 def cli() -> None:
-    """Show, check and diff static SRv6 source-route tables compiled from fabric files."""
+    """Show, check and diff static SRv6 source-route tables compiled from fabric files;
+    watch a running endpoint's paths (live)."""
 
 
 @cli.command()
@@ -200,51 +203,69 @@ def diff(a: str, b: str, as_json: bool) -> None:
 _STATE_STYLE = {"good": "green", "suspect": "yellow", "probing": "cyan", "failed": "red"}
 
 
-def _live_table(doc: dict[str, Any], prev: dict[str, Any] | None) -> RichTable:
-    """The paths of one stats snapshot; rates from the difference with `prev`."""
+def _live_table(doc: dict[str, Any], prev: dict[str, Any] | None, wide: bool) -> RichTable:
+    """The paths of one stats snapshot; rates from the difference with `prev`. Narrow
+    (under 120 columns) keeps what fits in 80: path, plane, destination, state, RTT,
+    rate, packets, retransmits, losses."""
     stats = doc["stats"]
     dt = doc["time"] - prev["time"] if prev else 0.0
     before = {(p["conn_id"], p["path"]): p for p in prev["stats"]["paths"]} if prev else {}
     planes = ", ".join(f"{p['addr']}" for p in doc["planes"])
-    t = RichTable(title=f"pid {doc['pid']}: planes {planes}; {stats['conns']} connection(s)")
-    for col in (
-        "conn",
-        "path",
-        "plane",
-        "dst",
-        "seg",
-        "state",
-        "RTT us",
-        "base us",
-        "Mb/s",
-        "packets",
-        "retx",
-        "lost",
-        "cwnd KB",
-    ):
-        t.add_column(col, justify="left" if col in ("dst", "state") else "right")
+    t = RichTable(
+        title=f"pid {doc['pid']}: planes {planes}; {stats['conns']} connection(s)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    cols = ["c.path", "pl", "dst", "state", "rtt us", "Mb/s", "pkts", "retx", "lost"]
+    if wide:
+        cols[3:3] = ["segs"]
+        cols[5:5] = ["base us"]
+        cols.append("cwnd KB")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("dst", "state", "c.path") else "right")
     for p in stats["paths"]:
         old = before.get((p["conn_id"], p["path"]))
         rate = (p["tx_bytes"] - old["tx_bytes"]) * 8 / dt / 1e6 if old and dt > 0 else 0.0
         style = _STATE_STYLE.get(p["state"], "")
-        t.add_row(
-            str(p["conn"]),
-            str(p["path"]),
-            str(p["plane"]),
-            p["dst"],
-            str(p["segments"]),
-            f"[{style}]{p['state']}[/]",
-            f"{p['srtt_us']:.0f}",
-            f"{p['base_rtt_us']:.0f}",
-            f"{rate:.1f}",
-            str(p["tx_pkts"]),
-            str(p["retx"]),
-            str(p["lost"]),
-            f"{p['cwnd'] / 1024:.0f}",
-        )
+        row = {
+            "c.path": f"{p['conn']}.{p['path']}",
+            "pl": str(p["plane"]),
+            "dst": p["dst"],
+            "segs": str(p["segments"]),
+            "state": f"[{style}]{p['state']}[/]",
+            "rtt us": f"{p['srtt_us']:.0f}",
+            "base us": f"{p['base_rtt_us']:.0f}",
+            "Mb/s": f"{rate:.1f}",
+            "pkts": str(p["tx_pkts"]),
+            "retx": str(p["retx"]),
+            "lost": str(p["lost"]),
+            "cwnd KB": f"{p['cwnd'] / 1024:.0f}",
+        }
+        t.add_row(*(row[c] for c in cols))
     drops = {k: v for k, v in stats["drops"].items() if v}
     t.caption = "drops: " + (", ".join(f"{k} {v}" for k, v in drops.items()) or "none")
+    t.caption_justify = "left"
     return t
+
+
+def _fetch_error(path: str, e: Exception) -> OSError:
+    import os
+    import stat
+
+    if isinstance(e, ConnectionRefusedError):
+        try:
+            is_sock = stat.S_ISSOCK(os.stat(path).st_mode)
+        except OSError:
+            is_sock = False
+        if is_sock:
+            return OSError(
+                f"{path} is a stale stats socket: no endpoint serves it any more (its process "
+                f"ended without closing it); remove it with `rm {path}`"
+            )
+    if isinstance(e, FileNotFoundError):
+        return OSError(f"no mrc stats at {path}: no such socket (did the endpoint serve_stats?)")
+    return OSError(f"no mrc stats at {path}: {e}")
 
 
 @cli.command()
@@ -275,7 +296,7 @@ def live(socket_path: str, interval: float, count: int, as_json: bool) -> None:
         try:
             return fetch(socket_path)
         except (OSError, ValueError) as e:
-            _fail(OSError(f"no mrc stats at {socket_path}: {e}"), as_json)
+            _fail(_fetch_error(socket_path, e), as_json)
 
     prev: dict[str, Any] | None = None
     n = 0
@@ -286,10 +307,11 @@ def live(socket_path: str, interval: float, count: int, as_json: bool) -> None:
             if count and n >= count:
                 return
             time.sleep(interval)  # the refresh period
-    with Live(console=Console(), auto_refresh=False) as view:
+    console = Console()
+    with Live(console=console, auto_refresh=False) as view:
         while True:
             doc = snap()
-            view.update(_live_table(doc, prev), refresh=True)
+            view.update(_live_table(doc, prev, console.width >= 120), refresh=True)
             prev, n = doc, n + 1
             if count and n >= count:
                 return

@@ -29,8 +29,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from mrc.torch._tensors import TensorError
 from mrc.torch.process_group import BACKEND_NAME, MrcBackendError, ProcessGroupMRC, Work
 
-# Devices the backend registers for. CUDA is added here once the staging path exists.
-DEVICES = ["cpu"]
+# Devices the backend registers for. CUDA tensors go through mrc.gpu's pinned-host
+# staging (a collective waits for the work queued on the caller's current stream).
+DEVICES = ["cpu", "cuda"]
 
 _UID_KEY = "mrc_unique_id"
 

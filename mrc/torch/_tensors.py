@@ -62,10 +62,10 @@ def check_tensor(t: object, rank: int, what: str) -> torch.Tensor:
         raise TensorError(
             f"mrc backend rank {rank}: {what} has layout {t.layout}; only dense tensors"
         )
-    if t.device.type != "cpu":
+    if t.device.type not in ("cpu", "cuda"):
         raise TensorError(
             f"mrc backend rank {rank}: {what} is on {t.device}; the mrc backend takes CPU "
-            f"tensors (CUDA staging is not built yet)"
+            f"and CUDA tensors"
         )
     return t
 
@@ -92,6 +92,10 @@ def flat_view(t: torch.Tensor) -> np.ndarray:
     the communicator is passed the real dtype name where it reduces.
     """
     flat = t.detach().reshape(-1)
+    if flat.is_cuda:
+        # device memory goes through mrc.gpu's pinned staging, which takes the tensor
+        # itself (its stream semantics are torch's); bool moves as bytes
+        return flat.view(torch.uint8) if t.dtype == torch.bool else flat  # type: ignore[return-value]
     if t.dtype == torch.bfloat16:
         return flat.view(torch.int16).numpy().view(np.uint16)
     if t.dtype == torch.bool:
@@ -104,8 +108,10 @@ def flat_view(t: torch.Tensor) -> np.ndarray:
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray:
-    """A uint8 numpy view of a contiguous tensor's memory (data movement only)."""
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
+    """A uint8 numpy view of a contiguous tensor's memory (data movement only); a CUDA
+    tensor stays a (uint8) tensor, for mrc.gpu's staging."""
+    flat = t.detach().reshape(-1).view(torch.uint8)
+    return flat if flat.is_cuda else flat.numpy()  # type: ignore[return-value]
 
 
 @dataclass

@@ -49,6 +49,7 @@ enum mrc_err {
     MRC_ERNR = -5013,      /* receiver not ready: the peer posted no RECV within the RNR limit */
     MRC_EABORT = -5014,    /* aborted by the caller (collectives: mrc_coll_abort) */
     MRC_EMISMATCH = -5015, /* collectives: ranks called with different arguments */
+    MRC_ENOTMRC = -5016,   /* connect: the port answered in another protocol */
 };
 
 const char *mrc_strerror(int rc);
@@ -82,7 +83,8 @@ struct mrc_ep_config {
 
 void mrc_ep_config_init(struct mrc_ep_config *cfg);
 int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out);
-/* Stops the progress thread; every pending operation fails with MRC_ECLOSED.
+/* Stops the progress thread; every pending operation fails with MRC_ECLOSED,
+ * and so does an mrc_ep_accept blocked in another thread (waited for here).
  * Connections and regions not yet destroyed are freed with it (their handles
  * must not be used again, and no call on them may run concurrently with this
  * one). Operations stay the caller's: mrc_op_wait, mrc_op_done,
@@ -98,7 +100,7 @@ int mrc_ep_plane(const mrc_ep *ep, int plane, char *addr, size_t addrlen, uint16
  * everything it sends and receives, as a dead cable would. */
 int mrc_ep_inject(mrc_ep *ep, int plane, double tx_loss, int down);
 
-/* ---- connection set-up (out-of-band TCP exchange on the first plane) ------ */
+/* ---- connection set-up (out-of-band TCP exchange on any plane) ----------- */
 
 /* A path: local plane, destination, optional SRv6 segment list (travel order,
  * the last segment is the destination). Paths are numbered by the caller;
@@ -111,17 +113,35 @@ struct mrc_path_spec {
     char segs[MRC_MAX_SEGS][MRC_ADDR_STRLEN];
 };
 
+/* Listens on TCP `port` (0: an ephemeral one) of addr, or with addr NULL or ""
+ * of every plane's address (one port for all), so clients reach the endpoint
+ * over any plane that is up. Listening again replaces the listeners. */
 int mrc_ep_listen(mrc_ep *ep, const char *addr, uint16_t port, uint16_t *bound_port);
-/* Stops listening: an mrc_ep_accept blocked in another thread returns at once
- * with an error (so that thread can leave before mrc_ep_destroy). */
+/* Stops listening: an mrc_ep_accept blocked in another thread returns
+ * MRC_ECLOSED within 50 ms (so that thread can leave before mrc_ep_destroy);
+ * later accepts find no listener. */
 int mrc_ep_unlisten(mrc_ep *ep);
 /* A connection under construction: add paths, then connect or establish. */
 int mrc_conn_create(mrc_ep *ep, const char *name, mrc_conn **out);
 /* With no paths added, the connection uses plane k -> peer plane k. */
 int mrc_conn_add_path(mrc_conn *c, const struct mrc_path_spec *p);
+/* port must be 1..65535; addr an IPv4 or IPv6 literal (no name resolution). */
 int mrc_conn_connect(mrc_conn *c, const char *addr, uint16_t port, int timeout_ms);
-/* Server side: waits for a hello; then the caller may add paths (it knows the
- * peer's name) and must call mrc_conn_establish(). */
+/* Races a TCP connect to every address (the server's planes, 1..MRC_MAX_PLANES)
+ * and sets the connection up over the first that answers; a set-up that
+ * stalls (its plane went down) or fails for want of a route is tried again,
+ * over the other addresses first, until timeout_ms. MRC_EUNREACH when no
+ * address answers; errs (NULL, or naddrs entries) then holds each address's
+ * last reason (a -errno). MRC_ENOTMRC: the port answered in another protocol;
+ * MRC_ETIMEOUT: it accepted but sent no hello in time; MRC_ECLOSED: the peer
+ * hung up every time. */
+int mrc_conn_connect_any(mrc_conn *c, const char *const *addrs, int naddrs, uint16_t port,
+                         int timeout_ms, int *errs);
+/* Server side: waits up to timeout_ms for a complete hello; then the caller
+ * may add paths (it knows the peer's name) and must call mrc_conn_establish().
+ * A client that sends nothing, sends slowly or hangs up does not hold up other
+ * clients or fail the call; its socket waits (for the endpoint's timeout) into
+ * later calls. MRC_EUSAGE before mrc_ep_listen. */
 int mrc_ep_accept(mrc_ep *ep, int timeout_ms, mrc_conn **out);
 int mrc_conn_establish(mrc_conn *c, int timeout_ms);
 const char *mrc_conn_peer_name(const mrc_conn *c);

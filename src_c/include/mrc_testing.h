@@ -30,6 +30,10 @@ uint32_t mrc_conn_id(const mrc_conn *c);
 /* The peer's id for it (what we put in `conn`). */
 uint32_t mrc_conn_peer_id(const mrc_conn *c);
 
+/* How many mrc_ep_accept calls are under way on the endpoint (a test waits
+ * for its accepting thread to be inside before it destroys the endpoint). */
+int mrc_ep_accepts_active(mrc_ep *ep);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,181 @@
+/*
+ * test_handshake.c - connection set-up: accept() before listen(), listening
+ * on every plane, the connect race over several addresses (one of them dead),
+ * clients that connect and vanish or say nothing while the server accepts in
+ * short slices, and a port that speaks another protocol.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "mrc.h"
+#include "mrc_testing.h"
+
+static mrc_ep *ep_new(int n, const char *base)
+{
+    struct mrc_ep_config cfg;
+    mrc_ep_config_init(&cfg);
+    cfg.nplanes = n;
+    for (int i = 0; i < n; i++)
+        snprintf(cfg.planes[i], sizeof(cfg.planes[i]), "%s%d", base, i + 1);
+    cfg.timeout_ms = 2000;
+    mrc_ep *ep;
+    CHECK_RC(mrc_ep_create(&cfg, &ep));
+    return ep;
+}
+
+/* A raw TCP client to addr:port: connects, and writes `len` bytes of junk. */
+static int raw_client(const char *addr, uint16_t port, size_t len)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
+    inet_pton(AF_INET, addr, &sa.sin_addr);
+    CHECK(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+    char junk[64];
+    memset(junk, 'x', sizeof(junk));
+    if (len)
+        CHECK(write(fd, junk, len) == (ssize_t)len);
+    return fd;
+}
+
+struct server {
+    mrc_ep *ep;
+    int want;
+    int got;
+};
+
+/* Accepts in 10 ms slices, swallowing timeouts, as a polling server does. */
+static void *serve(void *arg)
+{
+    struct server *s = arg;
+    while (s->got < s->want) {
+        mrc_conn *c;
+        int rc = mrc_ep_accept(s->ep, 10, &c);
+        if (rc == MRC_ETIMEOUT)
+            continue;
+        CHECK_RC(rc);
+        CHECK_RC(mrc_conn_establish(c, 5000));
+        mrc_conn_destroy(c);
+        s->got++;
+    }
+    return NULL;
+}
+
+static void test_accept_before_listen(void)
+{
+    mrc_ep *b = ep_new(1, "127.0.1.");
+    mrc_conn *c;
+    CHECK(mrc_ep_accept(b, 10, &c) == MRC_EUSAGE);
+    mrc_ep_destroy(b);
+}
+
+static void test_race_and_junk(void)
+{
+    mrc_ep *a = ep_new(2, "127.0.0."), *b = ep_new(2, "127.0.1.");
+    uint16_t port;
+    CHECK_RC(mrc_ep_listen(b, NULL, 0, &port));
+    struct server s = {.ep = b, .want = 6};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, serve, &s) == 0);
+    int silent = raw_client("127.0.1.2", port, 0); /* says nothing, stays */
+    for (int i = 0; i < s.want; i++) {
+        close(raw_client("127.0.1.1", port, (size_t)(i * 10) % 64)); /* vanishes */
+        mrc_conn *c;
+        CHECK_RC(mrc_conn_create(a, "a", &c));
+        /* The first address is dead (nobody listens): the race takes the other. */
+        const char *addrs[] = {i % 2 ? "127.0.1.9" : "127.0.1.1", i % 2 ? "127.0.1.2" : "127.0.1.9"};
+        int errs[2] = {1, 1};
+        CHECK_RC(mrc_conn_connect_any(c, addrs, 2, port, 5000, errs));
+        mrc_conn_destroy(c);
+    }
+    pthread_join(t, NULL);
+    CHECK(s.got == s.want);
+    close(silent);
+
+    /* No address answers: each one's reason comes back. */
+    mrc_conn *c;
+    CHECK_RC(mrc_conn_create(a, "a", &c));
+    const char *dead[] = {"127.0.1.9", "127.0.1.10"};
+    int errs[2] = {0, 0};
+    CHECK(mrc_conn_connect_any(c, dead, 2, port, 2000, errs) == MRC_EUNREACH);
+    CHECK(errs[0] == -ECONNREFUSED && errs[1] == -ECONNREFUSED);
+    CHECK(mrc_conn_connect_any(c, dead, 2, 0, 2000, errs) == MRC_EUSAGE); /* port 0 */
+    mrc_conn_destroy(c);
+    mrc_ep_destroy(a);
+    mrc_ep_destroy(b);
+}
+
+static void *banner(void *arg)
+{
+    int ls = *(int *)arg;
+    int fd = accept(ls, NULL, NULL);
+    const char msg[] = "SSH-2.0-OpenSSH_9.6\r\n";
+    CHECK(write(fd, msg, sizeof(msg) - 1) > 0);
+    char buf[512];
+    while (read(fd, buf, sizeof(buf)) > 0) {
+    }
+    close(fd);
+    return NULL;
+}
+
+static void test_not_mrc(void)
+{
+    int ls = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET};
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    socklen_t sl = sizeof(sa);
+    CHECK(bind(ls, (struct sockaddr *)&sa, sl) == 0 && listen(ls, 4) == 0);
+    getsockname(ls, (struct sockaddr *)&sa, &sl);
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, banner, &ls) == 0);
+    mrc_ep *a = ep_new(1, "127.0.0.");
+    mrc_conn *c;
+    CHECK_RC(mrc_conn_create(a, "a", &c));
+    CHECK(mrc_conn_connect(c, "127.0.0.1", ntohs(sa.sin_port), 30000) == MRC_ENOTMRC);
+    mrc_conn_destroy(c);
+    mrc_ep_destroy(a);
+    pthread_join(t, NULL);
+    close(ls);
+}
+
+static void *accept_forever(void *arg)
+{
+    mrc_conn *c;
+    *(int *)((void **)arg)[1] = mrc_ep_accept(((void **)arg)[0], -1, &c);
+    return NULL;
+}
+
+/* An accept blocked in another thread ends with MRC_ECLOSED when the endpoint
+ * is destroyed, which waits for it (nothing of the endpoint is touched after). */
+static void test_destroy_during_accept(void)
+{
+    mrc_ep *b = ep_new(2, "127.0.1.");
+    uint16_t port;
+    CHECK_RC(mrc_ep_listen(b, NULL, 0, &port));
+    int rc = 0;
+    void *args[2] = {b, &rc};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, accept_forever, args) == 0);
+    while (!mrc_ep_accepts_active(b))
+        sched_yield(); /* until the thread is inside mrc_ep_accept */
+    mrc_ep_destroy(b);
+    pthread_join(t, NULL);
+    CHECK(rc == MRC_ECLOSED);
+}
+
+int main(void)
+{
+    test_accept_before_listen();
+    test_destroy_during_accept();
+    test_race_and_junk();
+    test_not_mrc();
+    DONE("test_handshake");
+    return 0;
+}
