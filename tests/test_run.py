@@ -231,3 +231,32 @@ def test_collectives_on_a_namespace_fabric() -> None:
         assert got[r].get("ok"), got[r]
         bad = {k: v for k, v in got[r]["wrong"].items() if v}  # type: ignore[union-attr]
         assert not bad, (r, bad)
+
+
+@pytest.mark.root
+def test_mrc_routes_planes_one_plain_path_per_plane() -> None:
+    """MRC_ROUTES=planes under mrc-run on a fabric: every connection has one path per
+    plane (no SRH, so UDP GSO batches stay whole) and carries checked data."""
+    fabric = str(ROOT / "routing/4host-4plane.toml")
+    with fabric_up(fabric) as fab:
+        assert len(fab.paths("h0", "h2")) > 4  # the table's SRv6 paths: more than planes
+        res = subprocess.run(
+            [*MRC_RUN, "-n", "4", "--fabric", fabric, "--name", fab.prefix, "--timeout", "20"]
+            + ["--", sys.executable, WORKER, "mesh", "env", "env", "env", "0"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=dict(os.environ, MRC_ROUTES="planes"),
+        )
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = rank_results(res.stdout)
+    for r in range(4):
+        assert got[r].get("ok"), got[r]
+        assert got[r]["got"] == {str(p): expected_sha(p, r) for p in range(4) if p != r}
+        assert got[r]["npaths"] == [0 if p == r else 4 for p in range(4)]
+
+
+def test_routes_must_be_table_or_planes() -> None:
+    with pytest.raises(mrc.UsageError, match="routes must be 'table' or 'planes', got 'spine'"):
+        mrc.Communicator(0, 1, mrc.get_unique_id(), routes="spine")

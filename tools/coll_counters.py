@@ -9,11 +9,12 @@ packet declared lost that had arrived), rank 0's per-path (conn, plane, srtt us,
 RTT us, cwnd KiB, lost, state changes); then, per host, the UDP6 counters (RcvbufErrors:
 socket overflow) and the qdisc drops of every namespace of the fabric. Drops zero with
 duplicates about lost_rto means the timeouts were spurious: slow, not lost.
+MRC_ROUTES=planes in the environment: one plain-IPv6 path per plane instead of the route
+table's SRv6 paths (mrc.Communicator's routes).
 
 Run inside a rank (by itself): coll_counters.py --rank SIZES ITERS."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -35,12 +36,6 @@ def rank_main(sizes: list[int], iters: int) -> None:
 
     import mrc
 
-    if os.environ.get("COLL_COUNTERS_PLAIN") == "1":
-        # Experiment: the endpoint's own planes (plain IPv6 routes, one path per plane, no
-        # SRH, so UDP GSO batches cross the fabric whole) instead of the route table's.
-        from mrc.collectives.communicator import Communicator
-
-        Communicator._paths_to = lambda self, rank: None  # type: ignore[method-assign]
     comm = mrc.Communicator.from_env()
     for nbytes in sizes:
         x = np.full(max(1, nbytes // 4), comm.rank + 1, np.float32)

@@ -78,6 +78,11 @@ class Communicator(Collectives):
     rank's host in it (default: host number `rank`); the planes are the host's NICs and
     every connection gets the route table's paths. timeout: seconds for the bootstrap and
     for noticing a dead rank. endpoint: more mrc.Endpoint options (mss, window, ...).
+    routes (on a fabric): "table" (default) gives each connection the route table's SRv6
+    paths (every plane and spine); "planes" one plain-IPv6 path per plane (the fabric's
+    own routing picks the spine). SRH packets lose UDP GSO, so "planes" forwards about a
+    third of the packets: on the loaded 4-host fabric 64 MiB all_reduce busbw 2.5-3.0
+    Gbit/s against 1.3-1.9 (docs/architecture.md). MRC_ROUTES sets it in from_env().
     """
 
     def __init__(
@@ -91,8 +96,12 @@ class Communicator(Collectives):
         host: str | None = None,
         timeout: float = 60.0,
         endpoint: dict[str, Any] | None = None,
+        routes: str = "table",
     ) -> None:
         self.rank, self.size = _check_rank(rank, size)
+        if routes not in ("table", "planes"):
+            raise UsageError(f"routes must be 'table' or 'planes', got {routes!r}")
+        self.routes = routes
         if not 0 < timeout < 2**31 / 1000:
             raise UsageError(f"timeout must be > 0 seconds, got {timeout}")
         self.timeout = float(timeout)
@@ -189,8 +198,8 @@ class Communicator(Collectives):
             ]
 
     def _paths_to(self, rank: int) -> list[Any] | None:
-        if self._fabric is None or self.hosts[rank] == self.host:
-            return None  # loopback, or two ranks of one host: the endpoint's own planes
+        if self._fabric is None or self.hosts[rank] == self.host or self.routes == "planes":
+            return None  # loopback, two ranks of one host, or asked: the endpoint's own planes
         return route_paths(self._fabric, self.host, self.hosts[rank])
 
     def _connect_mesh(self, infos: list[dict[str, Any]]) -> None:
@@ -395,6 +404,9 @@ class Communicator(Collectives):
         for key in ("planes", "fabric", "host", "timeout"):
             if key in cfg and key not in kwargs:
                 kwargs[key] = cfg[key]
+        routes = (os.environ if env is None else env).get("MRC_ROUTES")
+        if routes and "routes" not in kwargs:
+            kwargs["routes"] = routes
         return cls(cfg["rank"], cfg["size"], cfg["unique_id"], **kwargs)
 
 
