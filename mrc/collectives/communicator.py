@@ -81,8 +81,8 @@ class Communicator(Collectives):
     routes (on a fabric): "table" (default) gives each connection the route table's SRv6
     paths (every plane and spine); "planes" one plain-IPv6 path per plane (the fabric's
     own routing picks the spine). SRH packets lose UDP GSO, so "planes" forwards about a
-    third of the packets: on the loaded 4-host fabric 64 MiB all_reduce busbw 2.5-3.0
-    Gbit/s against 1.3-1.9 (docs/architecture.md). MRC_ROUTES sets it in from_env().
+    third of the packets: on the loaded 4-host fabric 64 MiB all_reduce busbw 1.9-3.1
+    Gbit/s against 1.2-2.0 (docs/architecture.md). MRC_ROUTES sets it in from_env().
     """
 
     def __init__(
