@@ -3,12 +3,14 @@
 Runs as root. Fabric: routing/4host-4plane-1g.toml (4 planes x 1 Gbit/s per host, line
 4 Gbit/s), 4 ranks, one per host namespace, float32 sum:
 
-1. all_reduce 8 B .. 256 MiB (x2): mrc; Gloo (torch CPU, GLOO_SOCKET_IFNAME = the 4
+1. all_reduce 8 B .. 256 MiB (x2): mrc; mrc_planes (MRC_ROUTES=planes: a plain-IPv6 path
+   per plane, no SRH); Gloo (torch CPU, GLOO_SOCKET_IFNAME = the 4
    planes' interfaces); Open MPI (btl tcp,self on the 4 planes' interfaces) with its
    default algorithm and with its ring (coll_tuned_allreduce_algorithm=4). busbw as
    nccl-tests (2(n-1)/n), CPU use, and the issue's ratios: mrc busbw at 64 MiB / the
    better peer (target >= 1.3) and / line (>= 0.85), 1 MiB time / the better peer's
-   (<= 0.5), 8 B time / the better peer's (<= 1).
+   (<= 0.5), 8 B time / the better peer's (<= 1); the same for mrc_planes
+   (summary["mrc_planes"]).
 2. all_gather, reduce_scatter, broadcast at 64 MiB: busbw of each.
 
 Open MPI runs with mpi_yield_when_idle=1: 4 ranks on 2 cores, and its default busy
@@ -43,7 +45,9 @@ from mrc.fabric.testing import fabric_up
 LINE_GBPS = 4.0
 YIELD = [("mpi_yield_when_idle", "1")]
 PEERS = ("gloo", "mpi_default", "mpi_ring")
-FRAMEWORKS = ("mrc", *PEERS)
+# mrc_planes: mrc with routes="planes" (one plain-IPv6 path per plane, no SRH: UDP GSO
+# batches stay whole); mrc is the default, the route table's SRv6 paths.
+FRAMEWORKS = ("mrc", "mrc_planes", *PEERS)
 OTHER = ("all_gather", "reduce_scatter", "broadcast")
 KEY_SIZE = 64 << 20
 
@@ -60,6 +64,8 @@ def launch(fab: Any, fw: str, coll: str, size_list: list[int], iters: int, warmu
     args = worker_args(coll, size_list, iters, warmup)
     if fw == "mrc":
         r = run_mrc(fab, args)
+    elif fw == "mrc_planes":
+        r = run_mrc(fab, args, env={"MRC_ROUTES": "planes"})
     elif fw == "gloo":
         r = run_gloo(fab, args)
     else:
@@ -97,10 +103,12 @@ def at(result: dict[str, Any], size: int) -> dict[str, Any] | None:
     return next((r for r in result["rows"] if r["size"] == size), None)
 
 
-def ratios(res: dict[str, dict[str, Any]], big: int, mid: int, small: int) -> dict[str, Any]:
-    """The issue's targets: mrc against the better peer at each size."""
+def ratios(
+    res: dict[str, dict[str, Any]], big: int, mid: int, small: int, fw: str = "mrc"
+) -> dict[str, Any]:
+    """The issue's targets: mrc (fw) against the better peer at each size."""
     out: dict[str, Any] = {"sizes": {"busbw": big, "time": mid, "latency": small}}
-    m_big, m_mid, m_small = (at(res["mrc"], s) for s in (big, mid, small))
+    m_big, m_mid, m_small = (at(res[fw], s) for s in (big, mid, small))
     peers_big = [at(res[p], big) for p in PEERS]
     best_bw = max((r["busbw_gbps"] for r in peers_big if r), default=None)
     peers_mid = [r["time_us"] for r in (at(res[p], mid) for p in PEERS) if r]
@@ -161,6 +169,7 @@ def main(quick: bool) -> None:
                 click.echo(f"  {coll:15s} {fw:12s} busbw {gbps(row)} Gbit/s ({r.status})")
     big, mid = (4 << 20, 1 << 20) if quick else (KEY_SIZE, 1 << 20)
     summary = ratios(res, big, mid, 8)
+    summary["mrc_planes"] = ratios(res, big, mid, 8, "mrc_planes")
     click.echo(f"ratios: {summary}")
     name = "collectives_fabric-quick" if quick else "collectives_fabric"
     out = save(
