@@ -418,6 +418,14 @@ static inline unsigned op_cv_index(const void *op)
     return (unsigned)((a >> 6) ^ (a >> 12)) % MRC_OP_CVS; /* ops are >= 64-byte allocations */
 }
 
+/* conn.c */
+void conn_new_id(mrc_conn *c);
+void conn_add_pt(mrc_ep *ep, struct ctl *x);
+void conn_del_pt(mrc_ep *ep, mrc_conn *c);
+
+/* mr.c */
+void mr_free(mrc_mr *mr);
+
 /* ep.c */
 int ep_ctl(mrc_ep *ep, struct ctl *c);
 void ep_wake(mrc_ep *ep);

@@ -155,7 +155,7 @@ def signature(*parts: object) -> int:
 
 
 class Collectives:
-    """The collective methods of mrc.Communicator (see CONTRACT.md)."""
+    """The collective methods of mrc.Communicator (docs/architecture.md, "Collectives")."""
 
     rank: int
     size: int
