@@ -173,6 +173,7 @@ def rank_bandwidth(
     prev: Mapping[str, Any] | None = None,
     interval: float | None = None,
     min_bytes: int = MIN_MEASURED_BYTES,
+    usable: Sequence[bool] | None = None,
 ) -> RankBandwidth:
     """This rank's usable send and receive rate.
 
@@ -182,7 +183,7 @@ def rank_bandwidth(
       in between, source "measured", when at least min_bytes went each way (an idle link
       says nothing about its capacity);
     - else the number of usable planes, source "planes".
-    Failed planes never count.
+    Failed planes never count. usable: the planes to count (default: plane_usable(stats)).
     """
     if plane_rates is not None:
         if nplanes is not None and nplanes != len(plane_rates):
@@ -191,7 +192,10 @@ def rank_bandwidth(
         for p, v in enumerate(plane_rates):
             if not math.isfinite(v) or v <= 0.0:
                 raise UsageError(f"plane_rates[{p}] = {v!r}: must be > 0 bytes/s")
-    usable = plane_usable(stats, nplanes)
+    if usable is None:
+        usable = plane_usable(stats, nplanes)
+    elif nplanes is not None and len(usable) != nplanes:
+        raise UsageError(f"nplanes = {nplanes} but {len(usable)} usable flags")
     n = len(usable)
     mask = sum(1 << p for p in range(n) if usable[p])
     if plane_rates is not None:

@@ -141,13 +141,25 @@ class Resilience:
         self._plans: dict[int, model.Plan] = {}
         self._packed: dict[tuple[Any, ...], Any] = {}
         self._lock = threading.Lock()
+        self._down_before: list[bool] = [False] * self.nplanes
 
     # --- what this rank can use ----------------------------------------------------------
 
     def local(self) -> bandwidth.RankBandwidth:
-        """This rank's usable rates from its endpoint's path states now."""
+        """This rank's usable rates from its endpoint's path states: a plane counts as
+        lost once two snapshots in a row (two exchange points) find every path of it
+        failed. A CPU-starved host can time out all paths of a plane at once for a few
+        milliseconds (late ACKs of one plane socket's burst), and probes heal them; a
+        schedule switch on that would cost more than it saves. A healed plane counts
+        at once."""
         stats = self.comm.endpoint.stats()
-        return bandwidth.rank_bandwidth(stats, nplanes=self.nplanes, plane_rates=self.plane_rates)
+        down = [not u for u in bandwidth.plane_usable(stats, self.nplanes)]
+        lost = [d and b for d, b in zip(down, self._down_before, strict=True)]
+        self._down_before = down
+        return bandwidth.rank_bandwidth(
+            stats, nplanes=self.nplanes, plane_rates=self.plane_rates,
+            usable=[not x for x in lost],
+        )  # fmt: skip
 
     def _exchange(self) -> None:
         """All-gather every rank's record through the executor and agree. Runs on the

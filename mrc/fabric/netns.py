@@ -242,13 +242,25 @@ def _build(fabric: Fabric, prefix: str) -> None:
     )
     _run(["ip", "-batch", "-"], veths)
     routes = compute_routes(fabric, frozenset())
+    # Every link end's MAC, so each end starts out knowing its neighbour: without it
+    # the first packets of a job wait for neighbour discovery, and what does not fit in
+    # its queue (unres_qlen) is dropped, which can fail every path of a plane at once.
+    macs: dict[tuple[str, str], str] = {}
+    for n in nodes:
+        for d in json.loads(_run(["ip", "-j", "-n", ns[n.name], "link", "show"])):
+            macs[(n.name, d["ifname"])] = d.get("address", "")
 
     def configure(node: Host | Switch) -> None:
         cmds = ["link set lo up"]
         tc = []
         for link in fabric.links_of(node.name):
-            dev, addr, _peer = link.end(node.name)
+            dev, addr, peer = link.end(node.name)
+            peer_dev, peer_addr, _ = link.end(peer)
             cmds += [f"addr add {addr}/64 dev {dev} nodad", f"link set {dev} up"]
+            if macs.get((peer, peer_dev)):  # stale: used at once, then confirmed as usual
+                cmds.append(
+                    f"neigh replace {peer_addr} lladdr {macs[(peer, peer_dev)]} dev {dev} nud stale"
+                )
             tc.append(
                 f"qdisc replace dev {dev} root tbf rate {link.rate_bps}bit "
                 f"burst {_burst(link.rate_bps)} latency 20ms"
