@@ -189,29 +189,21 @@ int mrc_cq_poll(mrc_cq *cq, struct mrc_wc *wc, int max)
     return n;
 }
 
+/* A waiter returns when entries wait or the CQ (or its endpoint) shuts down. */
+static bool cq_wakeable(const void *arg)
+{
+    const mrc_cq *cq = arg;
+    return cq->head || cq->ep->stopping || cq->shut;
+}
+
 int mrc_cq_wait(mrc_cq *cq, struct mrc_wc *wc, int max, int timeout_ms)
 {
     if (!cq || max < 1 || !wc)
         return MRC_EUSAGE;
     mrc_ep *ep = cq->ep;
-    struct timespec dl;
-    clock_gettime(CLOCK_MONOTONIC, &dl);
-    if (timeout_ms > 0) {
-        dl.tv_sec += timeout_ms / 1000;
-        dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-        if (dl.tv_nsec >= 1000000000L) {
-            dl.tv_sec++;
-            dl.tv_nsec -= 1000000000L;
-        }
-    }
     pthread_mutex_lock(&ep->lock);
     cq->waiters++;
-    while (!cq->head && !ep->stopping && !cq->shut && timeout_ms != 0) {
-        int rc = timeout_ms < 0 ? pthread_cond_wait(&cq->cv, &ep->lock)
-                                : pthread_cond_timedwait(&cq->cv, &ep->lock, &dl);
-        if (rc == ETIMEDOUT)
-            break;
-    }
+    ep_wait_locked(ep, &cq->cv, timeout_ms, cq_wakeable, cq);
     cq->waiters--;
     bool stopping = ep->stopping || cq->shut;
     if (ep->stopping && !cq->waiters)

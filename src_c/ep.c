@@ -414,8 +414,8 @@ void op_unref(mrc_op *op)
 
 /* Waits on cv, with ep->lock held, until ready(arg) or timeout_ms pass
  * (0: just look, <0: no limit). Returns ready(arg). */
-static bool wait_for(mrc_ep *ep, pthread_cond_t *cv, int timeout_ms, bool (*ready)(const void *),
-                     const void *arg)
+bool ep_wait_locked(mrc_ep *ep, pthread_cond_t *cv, int timeout_ms,
+                    bool (*ready)(const void *), const void *arg)
 {
     struct timespec dl;
     clock_gettime(CLOCK_MONOTONIC, &dl);
@@ -443,7 +443,7 @@ int mrc_op_wait(mrc_op *op, int timeout_ms)
     mrc_ep *ep = op->ep;
     pthread_mutex_lock(&ep->lock);
     op->waiters++; /* ep_publish_pt wakes the op's bucket only if someone waits */
-    bool done = wait_for(ep, &ep->op_cv[op_cv_index(op)], timeout_ms, op_ready, op);
+    bool done = ep_wait_locked(ep, &ep->op_cv[op_cv_index(op)], timeout_ms, op_ready, op);
     op->waiters--;
     pthread_mutex_unlock(&ep->lock);
     return done ? 0 : -ETIMEDOUT;
@@ -478,7 +478,7 @@ int mrc_conn_wait_imm(mrc_conn *c, int timeout_ms, uint32_t *imm, uint64_t *len)
 {
     mrc_ep *ep = c->ep;
     pthread_mutex_lock(&ep->lock);
-    wait_for(ep, &ep->cv, timeout_ms, imm_ready, c);
+    ep_wait_locked(ep, &ep->cv, timeout_ms, imm_ready, c);
     struct imm_ev *ev = c->imm_head;
     if (ev) {
         c->imm_head = ev->next;

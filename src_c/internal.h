@@ -427,6 +427,8 @@ void conn_del_pt(mrc_ep *ep, mrc_conn *c);
 void mr_free(mrc_mr *mr);
 
 /* ep.c */
+bool ep_wait_locked(mrc_ep *ep, pthread_cond_t *cv, int timeout_ms,
+                    bool (*ready)(const void *), const void *arg);
 int ep_ctl(mrc_ep *ep, struct ctl *c);
 void ep_wake(mrc_ep *ep);
 void op_complete_pt(mrc_ep *ep, mrc_op *op, int status);
