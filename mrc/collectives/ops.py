@@ -555,32 +555,28 @@ class Collectives:
 
     def send(self, buf: Any, peer: int, tag: int = 0, *, async_op: bool = False) -> Any:
         """buf to `peer`, whose recv(…, peer=this rank, tag) must have the same size."""
-        if _gpu.is_device(buf):
-            return _gpu.collective(self, "send", buf=buf, peer=peer, tag=tag, async_op=async_op)
-        self._check_peer(peer, "send")
-        b = as_buffer(buf, None, "send buf", False)
-        nbytes = b.count * b.esize
-        what = f"send of {nbytes} bytes to rank {peer} (tag {tag})"
-        n, rank = self.size, self.rank
-        packed = self._plan(("send", peer, nbytes), lambda: S.send(rank, n, peer, nbytes))
-        sig = signature("p2p", nbytes, tag)
-        return self._submit(
-            what, lambda: self._do(what, packed, b, None, "uint8", 0, sig, None), async_op
-        )
+        return self._p2p("send", buf, peer, tag, async_op)
 
     def recv(self, buf: Any, peer: int, tag: int = 0, *, async_op: bool = False) -> Any:
         """Fills buf from `peer`'s send(…, this rank, tag). Returns buf."""
+        return self._p2p("recv", buf, peer, tag, async_op)
+
+    def _p2p(self, kind: str, buf: Any, peer: int, tag: int, async_op: bool) -> Any:
+        """send or recv: one message with `peer`, matched by size and tag."""
         if _gpu.is_device(buf):
-            return _gpu.collective(self, "recv", buf=buf, peer=peer, tag=tag, async_op=async_op)
-        self._check_peer(peer, "recv")
-        b = as_buffer(buf, None, "recv buf", True)
+            return _gpu.collective(self, kind, buf=buf, peer=peer, tag=tag, async_op=async_op)
+        self._check_peer(peer, kind)
+        sending = kind == "send"
+        b = as_buffer(buf, None, f"{kind} buf", not sending)
         nbytes = b.count * b.esize
-        what = f"recv of {nbytes} bytes from rank {peer} (tag {tag})"
+        what = f"{kind} of {nbytes} bytes {'to' if sending else 'from'} rank {peer} (tag {tag})"
         n, rank = self.size, self.rank
-        packed = self._plan(("recv", peer, nbytes), lambda: S.recv(rank, n, peer, nbytes))
+        build = S.send if sending else S.recv
+        packed = self._plan((kind, peer, nbytes), lambda: build(rank, n, peer, nbytes))
         sig = signature("p2p", nbytes, tag)
+        s, r, out = (b, None, None) if sending else (None, b, buf)
         return self._submit(
-            what, lambda: self._do(what, packed, None, b, "uint8", 0, sig, buf), async_op
+            what, lambda: self._do(what, packed, s, r, "uint8", 0, sig, out), async_op
         )
 
     # -- helpers --
