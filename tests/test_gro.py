@@ -28,7 +28,13 @@ def test_gso_batches_are_read_whole_and_cut_back() -> None:
     assert tx["tx_sends"] < tx["tx_pkts"]  # the sender used UDP GSO
     assert rx["rx_gro_reads"] > 0
     assert rx["rx_reads"] < rx["rx_pkts"]
-    assert sum(rx["drops"].values()) == 0
+    # Nothing read out of a GRO batch is malformed. Duplicates are legal: on a loaded
+    # machine a packet can time out and be sent again while its first copy is queued,
+    # so each duplicate must be one of the sender's retransmissions.
+    drops = dict(rx["drops"])
+    duplicates = drops.pop("duplicate")
+    assert sum(drops.values()) == 0, drops
+    assert duplicates <= tx["retx"]
     assert tx["sockets"] == rx["sockets"] == 2  # plain IP paths: the plane sockets only
 
 

@@ -60,7 +60,9 @@ def test_1000_connections() -> None:
         for op in ops:
             op.wait(timeout=30)
         assert all(sha(dst[i]) == sha(src) for i in range(NCONN))
-        assert sum(a.stats()["drops"].values()) == 0
+        drops = dict(a.stats()["drops"])  # duplicates: retransmissions on a loaded host
+        assert drops.pop("duplicate") <= b.stats()["retx"]
+        assert sum(drops.values()) == 0, drops
         for c in clients:
             c.close()
         for c in server:
