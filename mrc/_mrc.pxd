@@ -162,6 +162,7 @@ cdef extern from "mrc.h" nogil:
         int nconns
         int npaths
         int nsocks
+        int nsocks_seg6route
 
     int mrc_ep_get_stats(mrc_ep *ep, mrc_ep_stats *st, mrc_path_stats *paths, int max_paths)
 

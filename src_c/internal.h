@@ -330,6 +330,7 @@ struct msock {
     int fd, plane, nsegs;
     bool no_gso;        /* the kernel refused UDP GSO here: one datagram per packet */
     bool gro;           /* plane socket with UDP GRO: a read may hold many packets */
+    bool seg6route;     /* route socket whose SRH a kernel seg6 route inserts (SO_MARK) */
     struct in6_addr segs[MRC_MAX_SEGS];
     struct txbatch batch;
 };
@@ -356,6 +357,7 @@ struct plane {
     bool down;       /* fault injection */
     bool link_down;  /* netlink: the interface lost its carrier */
     int ifindex;     /* interface holding the address, 0 if unknown */
+    bool loopback;   /* that interface is `lo`: no kernel seg6 routes installed there */
 };
 
 struct mrc_ep {
@@ -388,6 +390,7 @@ struct mrc_ep {
 
     /* progress thread */
     int nsocks;
+    int nsocks_seg6route;   /* of the route sockets, those on kernel seg6 routes */
     struct msock *socks[MRC_MAX_SOCKS];
     mrc_conn *conns[MRC_SLOTS];
     mrc_mr *mrs[MRC_SLOTS];
@@ -504,6 +507,10 @@ void testing_rx_inject_pt(mrc_ep *ep, void *arg);
 
 /* link.c */
 int link_open(mrc_ep *ep);
+
+/* seg6route.c: the firewall mark under which the kernel inserts this
+ * route's SRH (installing the rule and table once per host); <0: none. */
+int seg6route_mark(int ifindex, int nsegs, const struct in6_addr *segs, uint32_t *mark);
 void link_poll_pt(mrc_ep *ep);
 
 /* engine.c */

@@ -35,6 +35,7 @@ static void link_map_planes(mrc_ep *ep)
                                                            : sizeof(struct sockaddr_in6));
             if (addr_same_host(&s, pa)) {
                 ep->planes[i].ifindex = (int)if_nametoindex(a->ifa_name);
+                ep->planes[i].loopback = (a->ifa_flags & IFF_LOOPBACK) != 0;
                 break;
             }
         }

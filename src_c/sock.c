@@ -96,7 +96,9 @@ err_close:
 
 /*
  * The socket for an SRv6 route from a plane: a UDP/IPv6 socket bound to the
- * plane's address with the segment list as a sticky type-4 routing header.
+ * plane's address whose packets get the segment list as a type-4 routing
+ * header, from a kernel seg6 route chosen by its mark or, failing that, as a
+ * sticky IPV6_RTHDR (both write the header below).
  * Linux refuses a per-packet SRH in sendmsg ancillary data but accepts it per
  * socket; segments are stored in reverse order and the kernel overwrites
  * segments[0] (the last segment, where the packet ends) with the sendto()
@@ -141,7 +143,23 @@ int sock_path_pt(mrc_ep *ep, int plane, int nsegs, const struct in6_addr *segs)
     for (int k = 0; k < nsegs; k++)
         memcpy(srh + 8 + 16 * k, &segs[nsegs - 1 - k], 16);
     int rc;
-    if (bind(fd, (struct sockaddr *)&a, sizeof(a)) < 0 ||
+    if (bind(fd, (struct sockaddr *)&a, sizeof(a)) < 0) {
+        rc = -errno;
+        close(fd);
+        return rc;
+    }
+    /* Preferred: a kernel seg6 route picked by this socket's mark inserts
+     * the header after GSO, so batches stay whole (seg6route.c). Else (no
+     * CAP_NET_ADMIN, MRC_SRH=socket, or a plane on `lo`, where a test's
+     * endpoints would leave rules in the host's own namespace) the sticky
+     * header: the same packets on the wire, each batch cut into datagrams at
+     * the sender. */
+    uint32_t mark = 0;
+    const char *how = getenv("MRC_SRH");
+    bool routed = !(how && strcmp(how, "socket") == 0) && !pl->loopback &&
+                  seg6route_mark(pl->ifindex, nsegs, segs, &mark) == 0 &&
+                  setsockopt(fd, SOL_SOCKET, SO_MARK, &mark, sizeof(mark)) == 0;
+    if (!routed &&
         setsockopt(fd, IPPROTO_IPV6, IPV6_RTHDR, srh, (socklen_t)(8 + 16 * nsegs)) < 0) {
         rc = -errno;
         close(fd);
@@ -152,6 +170,8 @@ int sock_path_pt(mrc_ep *ep, int plane, int nsegs, const struct in6_addr *segs)
         close(fd);
         return -ENOMEM;
     }
+    s->seg6route = routed;
+    ep->nsocks_seg6route += routed;
     s->nsegs = nsegs;
     memcpy(s->segs, segs, sizeof(*segs) * (size_t)nsegs);
     return ep->nsocks - 1;

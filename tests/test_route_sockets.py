@@ -57,6 +57,7 @@ def serve(k):
 ts = [threading.Thread(target=serve, args=(k,)) for k in range(n)]
 for t in ts: t.start()
 for t in ts: t.join()
+out["gro_reads"] = sum(fe.endpoint.stats()["rx_gro_reads"] for fe in eps)
 print(json.dumps(out), flush=True)
 sys.stdin.read()
 for fe in eps: fe.close()
@@ -77,18 +78,27 @@ for host, k, port in peers:
 for _, _, op in ops:
     op.wait(timeout=30)
 st = fe.endpoint.stats()
-print(json.dumps({k: st[k] for k in ("sockets", "conns", "tx_pkts", "tx_sends")}), flush=True)
+keys = ("sockets", "sockets_seg6route", "conns", "tx_pkts", "tx_sends")
+print(json.dumps({k: st[k] for k in keys}), flush=True)
 fe.close()
 """
 )
 
 
-def _python(fab: Any, host: str, script: str, *args: object) -> subprocess.Popen[str]:
+def _python(
+    fab: Any, host: str, script: str, *args: object, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-c", script, *map(str, args)]
-    return fab.popen(host, cmd, stdout=subprocess.PIPE, stdin=subprocess.PIPE, cwd=ROOT)
+    return fab.popen(host, cmd, stdout=subprocess.PIPE, stdin=subprocess.PIPE, cwd=ROOT, env=env)
 
 
-def test_one_socket_per_plane_and_spine_serves_every_peer() -> None:
+@pytest.mark.parametrize("srh", ["route", "socket"])
+def test_one_socket_per_plane_and_spine_serves_every_peer(srh: str) -> None:
+    """srh=route (the default as root): each route socket's SRH comes from a kernel seg6
+    route picked by its mark, and the peers read the hub's GSO batches whole; srh=socket
+    (MRC_SRH=socket): the sticky routing header, same bytes, batches cut at the sender."""
+    import os
+
     from conftest import require_root
 
     require_root()
@@ -106,15 +116,21 @@ def test_one_socket_per_plane_and_spine_serves_every_peer() -> None:
                 assert p.stdout is not None
                 ports = json.loads(p.stdout.readline())
                 peers += [[h, k, port] for k, port in enumerate(ports)]
-            hub = _python(fab, "h0", _HUB, FABRIC, SIZE, json.dumps(peers))
+            env = {**os.environ, "MRC_SRH": srh}
+            hub = _python(fab, "h0", _HUB, FABRIC, SIZE, json.dumps(peers), env=env)
             out, _ = hub.communicate("", timeout=120)
             assert hub.returncode == 0, out
             st = json.loads(out.strip().splitlines()[-1])
             got = {}
+            gro_reads = 0
             for h, p in procs.items():
                 out, _ = p.communicate("", timeout=60)
                 assert p.returncode == 0, out
-                got.update({(h, int(k)): v for k, v in json.loads(out.splitlines()[-1]).items()})
+                res = json.loads(out.splitlines()[-1])
+                gro_reads += res.pop("gro_reads")
+                got.update({(h, int(k)): v for k, v in res.items()})
+            kernel = [sys.executable, "-m", "mrc.routing.cli", "kernel", "--json"]
+            tables = json.loads(fab.run("h0", kernel).stdout)["tables"]
         finally:
             for p in procs.values():
                 if p.poll() is None:
@@ -129,3 +145,14 @@ def test_one_socket_per_plane_and_spine_serves_every_peer() -> None:
         assert st["conns"] == len(peers) == len(PEER_HOSTS) * PER_HOST
         assert len(routes) == 8  # 4 planes x 2 spines
         assert st["sockets"] == fab.fabric.planes + len(routes), st
+        if srh == "route":
+            assert st["sockets_seg6route"] == len(routes), st
+            # One table per (plane, spine route), holding exactly its segments.
+            assert sorted(tuple(t["segs"][:-1]) for t in tables) == sorted(
+                tuple(segs) for _, segs in routes
+            ), tables
+            assert gro_reads > 0  # GSO batches arrived whole, SRH and all
+            fab.run("h0", [*kernel, "--flush"])
+            assert json.loads(fab.run("h0", kernel).stdout)["tables"] == []
+        else:
+            assert st["sockets_seg6route"] == 0 and tables == [], (st, tables)

@@ -4,6 +4,7 @@
     mrc-route check FABRIC [--failed X ...] [--state PREFIX] [--json]
     mrc-route diff A B [--json]
     mrc-route live SOCKET [--interval S] [--count N] [--json]
+    mrc-route kernel [--flush] [--json]
 
 FABRIC is a fabric file (routing/*.toml) or a table saved with `show --json`. Exit codes:
 0 fine, 1 problems found (check) or tables differ (diff), 2 bad input.
@@ -316,6 +317,83 @@ def live(socket_path: str, interval: float, count: int, as_json: bool) -> None:
             if count and n >= count:
                 return
             time.sleep(interval)  # the refresh period
+
+
+# src_c/seg6route.c: endpoints put each SRv6 route socket's SRH in a kernel seg6
+# route, in table M chosen by rule `pref 9000 fwmark M lookup M`, M in this range.
+SEG6ROUTE_PREF = 9000
+SEG6ROUTE_BASE, SEG6ROUTE_MASK = 0x6D720000, 0xFFFF0000
+
+
+def _ip_json(*args: str) -> list[dict[str, Any]]:
+    import subprocess
+
+    try:
+        out = subprocess.run(["ip", "-6", "-j", *args], capture_output=True, text=True, check=True)
+    except FileNotFoundError:
+        _fail(OSError("`ip` (iproute2) not found"), False)
+    except subprocess.CalledProcessError as e:
+        _fail(OSError(f"ip -6 {' '.join(args)}: {e.stderr.strip()}"), False)
+    return json.loads(out.stdout or "[]")
+
+
+def seg6_tables() -> list[dict[str, Any]]:
+    """This network namespace's mrc seg6 route tables: mark, device, segments."""
+    found = []
+    for rule in _ip_json("rule", "show", "pref", str(SEG6ROUTE_PREF)):
+        mark = int(str(rule.get("fwmark", "0")), 0)
+        if mark & SEG6ROUTE_MASK != SEG6ROUTE_BASE:
+            continue
+        routes = _ip_json("route", "show", "table", str(mark))
+        encap = next((r for r in routes if r.get("dst") == "default"), {})
+        sid = next((r["dst"] for r in routes if r.get("type") == "throw"), None)
+        found.append(
+            {
+                "mark": f"{mark:#x}",
+                "dev": encap.get("dev"),
+                "segs": encap.get("segs", []) if encap.get("encap") == "seg6" else [],
+                "first_sid": sid,
+            }
+        )
+    return found
+
+
+@cli.command()
+@click.option("--flush", is_flag=True, help="Remove them (only when no endpoint runs here).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def kernel(flush: bool, as_json: bool) -> None:
+    """The kernel seg6 routes mrc endpoints installed in this network namespace.
+
+    An endpoint with CAP_NET_ADMIN gives each SRv6 route socket a firewall mark and a
+    table holding `encap seg6 mode inline` for its segments, so UDP GSO batches keep
+    their routing header; the entries are shared by the host's endpoints and stay
+    after they close. --flush deletes them: an endpoint still using one would then
+    send without the SRH."""
+    tables = seg6_tables()
+    if flush:
+        import subprocess
+
+        for t in tables:
+            for cmd in (
+                ["ip", "-6", "rule", "del", "pref", str(SEG6ROUTE_PREF), "fwmark", t["mark"]],
+                ["ip", "-6", "route", "flush", "table", str(int(t["mark"], 16))],
+            ):
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                if r.returncode:
+                    _fail(OSError(f"{' '.join(cmd)}: {r.stderr.strip()}"), as_json)
+    if as_json:
+        click.echo(json.dumps({"tables": tables, "flushed": flush}, indent=1))
+        return
+    rt = RichTable(
+        title="mrc kernel seg6 routes" + (" (flushed)" if flush else ""),
+        title_justify="left",
+        box=box.SIMPLE,
+    )
+    for col in ("mark / table", "dev", "segments (before the destination)"):
+        rt.add_column(col)
+    for t in tables:
+        rt.add_row(t["mark"], str(t["dev"]), ", ".join(t["segs"][:-1]) or "-")
+    Console().print(rt if tables else "no mrc seg6 routes in this network namespace")
 
 
 def main() -> None:

@@ -447,6 +447,7 @@ struct mrc_ep_stats {
     int nconns;
     int npaths;     /* entries filled in paths[] */
     int nsocks;     /* UDP sockets: one per plane + one per (plane, SRv6 route to a spine) */
+    int nsocks_seg6route; /* route sockets whose SRH a kernel seg6 route inserts (GSO kept) */
 };
 
 /* Snapshot taken by the progress thread. paths may be NULL. */
