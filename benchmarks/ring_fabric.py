@@ -6,10 +6,12 @@ per host) h0 -> h1, h1 -> h2, h2 -> h3 and h3 -> h0 run together, so every host 
 other:
 
 1. mrc: `mrc-perf write_bw --verify` from each host to the next (all four at once);
-   with --levers also with UDP GRO off (MRC_GRO=0), with UDP GSO off (MRC_GSO=0), and
-   over plain IP paths with GRO on and off (plane k -> plane k, no SRH: what the SRH
-   costs, since a GSO batch with an extension header is cut into datagrams at the
-   sender; no spine choice, so a bound, not a configuration to run).
+   each route socket's SRH comes from a kernel seg6 route (src_c/seg6route.c). With
+   --levers also with the SRH as the socket's sticky header instead (MRC_SRH=socket:
+   the kernel cuts every GSO batch into datagrams at the sender), with UDP GRO off
+   (MRC_GRO=0), with UDP GSO off (MRC_GSO=0), and over plain IP paths with GRO on and
+   off (plane k -> plane k, no SRH; no spine choice, so a bound, not a configuration
+   to run).
 2. iperf3 TCP with one stream per plane per hop (16 streams at once).
 
 For each: Gbit/s per hop and in all, the share of line, mrc / TCP, and CPU per byte:
@@ -47,7 +49,12 @@ LINE_GBPS = 4.0  # per host and direction
 PERF = [sys.executable, "-m", "mrc.perf.cli", "write_bw"]
 
 # (name, environment): what each mrc run turns off.
-LEVERS = [("mrc", {}), ("mrc, no UDP GRO", {"MRC_GRO": "0"}), ("mrc, no UDP GSO", {"MRC_GSO": "0"})]
+LEVERS = [
+    ("mrc", {}),
+    ("mrc, sticky SRH", {"MRC_SRH": "socket"}),
+    ("mrc, no UDP GRO", {"MRC_GRO": "0"}),
+    ("mrc, no UDP GSO", {"MRC_GSO": "0"}),
+]
 
 
 def perf_json(out: str) -> dict[str, Any]:
@@ -173,7 +180,7 @@ def summarise(name: str, run: dict[str, Any]) -> dict[str, Any]:
 @click.option(
     "--levers",
     is_flag=True,
-    help="Also run mrc with UDP GRO off, with UDP GSO off, and over plain IP paths (no SRH).",
+    help="Also run mrc with a sticky SRH, with UDP GRO off, UDP GSO off, and over plain IP paths.",
 )
 @click.option("--note", default="", help="Stored with the results (e.g. 'loaded machine: ...').")
 def main(duration: float, size: int, levers: bool, note: str) -> None:
@@ -182,7 +189,7 @@ def main(duration: float, size: int, levers: bool, note: str) -> None:
         for name, env in LEVERS if levers else LEVERS[:1]:
             rows.append(summarise(name, mrc_ring(fab, duration, size, env)))
         if levers:  # where a GSO batch stays whole, GRO has something to coalesce
-            for name, env in [("mrc, plain IP paths", {}), ("plain, no UDP GRO", LEVERS[1][1])]:
+            for name, env in [("mrc, plain IP paths", {}), ("plain, no UDP GRO", {"MRC_GRO": "0"})]:
                 rows.append(summarise(name, mrc_ring(fab, duration, size, env, plain=True)))
         tcp = summarise("iperf3 TCP", tcp_ring(fab, duration))
     for r in rows:
