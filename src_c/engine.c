@@ -141,7 +141,8 @@ static bool engine_drain(mrc_ep *ep)
 /* When c's timers are next due, UINT64_MAX if it has none: then it leaves
  * ep->timed. Packets in flight (RTOs), ops queued (progress timeout, RNR
  * back-off) and paths not good (probes) tick every MRC_TIMER_NS; a connection
- * only waiting on posted RECVs needs its keepalives, MRC_KEEPALIVE_NS apart. */
+ * only waiting on posted RECVs needs its keepalives, MRC_KEEPALIVE_NS apart,
+ * one path per turn (path_timers_pt). */
 #define MRC_KEEPALIVE_GRID_NS 10000000ull
 
 static uint64_t conn_next_timer_pt(const mrc_conn *c, uint64_t now)
@@ -155,8 +156,9 @@ static uint64_t conn_next_timer_pt(const mrc_conn *c, uint64_t now)
         const struct path *p = &c->paths[i];
         if (p->probe_out || p->state != MRC_PATH_GOOD)
             return tick;
-        if (busy) {
+        if (busy && i == c->ka_path % c->npaths) {
             uint64_t last = p->last_rx_ns > p->probe_sent_ns ? p->last_rx_ns : p->probe_sent_ns;
+            last = c->ka_sent_ns > last ? c->ka_sent_ns : last;
             uint64_t d = last + MRC_KEEPALIVE_NS + 1;
             d = d > tick ? d : tick;
             due = d < due ? d : due;

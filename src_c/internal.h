@@ -49,7 +49,9 @@
 #define MRC_MIN_RTO_NS 5000000ull       /* floor of a path's retransmit timeout */
 #define MRC_MIN_QUICK_RTO_NS 1000000ull /* floor while other paths deliver */
 #define MRC_PROBE_INTERVAL_NS 5000000ull /* failed/probing paths are probed this often */
-#define MRC_KEEPALIVE_NS 50000000ull    /* idle paths of a busy connection */
+/* A busy connection's idle paths, one path per turn: a waiting connection's
+ * keepalives exist to find a dead peer, well inside any operation timeout. */
+#define MRC_KEEPALIVE_NS 100000000ull
 #define MRC_PROBES_TO_GOOD 3            /* consecutive probe answers that heal a path */
 #define MRC_LOSSES_TO_FAIL 3            /* consecutive loss events that fail a path */
 
@@ -254,6 +256,8 @@ struct mrc_conn {
     struct sockaddr_storage peer_planes[MRC_MAX_PLANES];
     uint32_t mss, window, wmask;
     int npaths;
+    int ka_path;   /* [pt] the path whose turn it is for the next keepalive probe */
+    uint64_t ka_sent_ns; /* [pt] when the last keepalive probe left, any path */
     struct path paths[MRC_MAX_PATHS];
     int path_index[MRC_MAX_PATHS]; /* wire path id -> index in paths[], -1 none */
     bool active_listed, in_ackq, closing_sent;

@@ -58,3 +58,30 @@ def test_a_waiting_receiver_keeps_probing_its_paths() -> None:
             assert time.monotonic() < deadline, "no keepalive probes from a waiting receiver"
             time.sleep(0.05)
         assert not op.done
+
+
+def test_a_waiting_receiver_probes_one_path_per_keepalive() -> None:
+    """Over 4 planes the waiting connection's keepalives take its paths in turn, one
+    probe per 100 ms interval (not one per path each time): probing every path once
+    takes about four intervals."""
+    with mrc.Endpoint(planes(4, 0)) as a, mrc.Endpoint(planes(4, 1)) as b:
+        ((_, cb),) = connect_many(a, b, 1)
+        mb = b.register(np.zeros(8, np.uint8))
+
+        def probes() -> list[int]:
+            return [q["probes"] for q in b.stats()["paths"]]
+
+        p0 = probes()
+        op = cb.recv(mb, tag=5)
+        t0 = time.monotonic()
+        deadline = t0 + 10
+        while True:
+            got = [n - m for n, m in zip(probes(), p0)]
+            if sum(got) >= 4:
+                break
+            assert time.monotonic() < deadline, f"keepalive probes per path: {got}"
+            time.sleep(0.02)  # polling the endpoint's counters
+        elapsed = time.monotonic() - t0
+        assert min(got) >= 1 and max(got) - min(got) <= 1, f"probes per path: {got}"
+        assert elapsed >= 0.25, f"4 keepalives in {elapsed * 1000:.0f} ms"
+        assert not op.done
