@@ -76,7 +76,7 @@ def test_a_waiting_receiver_probes_one_path_per_keepalive() -> None:
         t0 = time.monotonic()
         deadline = t0 + 10
         while True:
-            got = [n - m for n, m in zip(probes(), p0)]
+            got = [n - m for n, m in zip(probes(), p0, strict=True)]
             if sum(got) >= 4:
                 break
             assert time.monotonic() < deadline, f"keepalive probes per path: {got}"
