@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FABRIC = ROOT / "routing" / "4host-4plane-1g.toml"
-KEYS = ("lost_rto", "lost_rack", "probe_timeouts", "rnr_naks", "staged_msgs")
+KEYS = ("lost_rto", "lost_rack", "probe_timeouts", "rnr_naks", "staged_msgs", "tx_pkts", "tx_sends")
 
 
 def counters(stats: dict) -> dict:
