@@ -470,7 +470,12 @@ static int post_chunk(struct run *r, uint32_t s, uint32_t i)
 {
     const struct mrc_coll_step *t = &r->p->steps[s];
     mrc_coll *c = r->c;
-    struct mrc_wr wr = {.cq = c->cq, .ctx = ((uint64_t)s << 32) | i, .len = chunk_len(r, t, i)};
+    /* MRC_POST_MORE: the progress thread is woken once for the whole batch
+     * (main_loop kicks it after issue()). */
+    struct mrc_wr wr = {.cq = c->cq,
+                        .flags = MRC_POST_MORE,
+                        .ctx = ((uint64_t)s << 32) | i,
+                        .len = chunk_len(r, t, i)};
     if (t->kind == MRC_STEP_SEND) {
         wr.kind = MRC_OP_SEND;
         ref_chunk(r, &r->p->refs[t->src], i, &wr.mr, &wr.loff);
@@ -610,13 +615,33 @@ static int waited_peer(const struct run *r)
     return -1;
 }
 
+/* How many completions to sleep for: once every transfer of the run is
+ * posted nothing new can be posted, so one wake-up for all of them (what is
+ * left to do, the local steps, runs right after) instead of one per
+ * completion; before that, any completion may let a chunk start. */
+static int wake_count(const struct run *r)
+{
+    if (!r->p)
+        return 1;
+    for (uint32_t s = 0; s < r->p->nsteps; s++) {
+        const struct mrc_coll_step *t = &r->p->steps[s];
+        if ((t->kind == MRC_STEP_SEND || t->kind == MRC_STEP_RECV) &&
+            r->st[s].next < r->st[s].nchunks)
+            return 1;
+    }
+    uint32_t n = 0;
+    for (int q = 0; q < 2 * r->c->nranks; q++)
+        n += r->inflight[q];
+    return n > WC_BATCH ? WC_BATCH : n ? (int)n : 1;
+}
+
 /* Waits up to ms for completions and handles them: >0 handled, 0 none. */
 static int reap(struct run *r, int ms)
 {
     struct mrc_wc wc[WC_BATCH];
     int n = mrc_cq_poll(r->c->cq, wc, WC_BATCH);
     if (n == 0 && ms)
-        n = mrc_cq_wait(r->c->cq, wc, WC_BATCH, ms);
+        n = mrc_cq_wait_min(r->c->cq, wc, WC_BATCH, wake_count(r), ms);
     if (n == -ETIMEDOUT)
         return 0;
     if (n < 0) {
@@ -641,6 +666,7 @@ static int main_loop(struct run *r)
         int started;
         while ((started = issue(r)) > 0)
             last = now_ms();
+        mrc_ep_kick(c->ep); /* the posts above (if any) did not wake the progress thread */
         if (started < 0 || r->steps_done == r->p->nsteps)
             break;
         int got = reap(r, WAIT_SLICE_MS);
