@@ -126,7 +126,7 @@ cdef extern from "mrc.h" nogil:
     int mrc_cq_create(mrc_ep *ep, mrc_cq **out)
     int mrc_cq_destroy(mrc_cq *cq)
     void mrc_cq_shutdown(mrc_cq *cq)
-    int mrc_cq_fd(const mrc_cq *cq)
+    int mrc_cq_fd(mrc_cq *cq)
     int mrc_cq_poll(mrc_cq *cq, mrc_wc *wc, int max)
     int mrc_cq_wait(mrc_cq *cq, mrc_wc *wc, int max, int timeout_ms)
     int mrc_conn_set_cq(mrc_conn *c, mrc_cq *cq, uint64_t ctx)

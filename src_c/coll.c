@@ -39,6 +39,15 @@
  * the caller's buffers costs four round trips to the progress thread, which
  * is most of a small collective's latency. */
 #define BOUNCE_BYTES (256u << 10)
+/* The bounce region has two slots of BOUNCE_BYTES. A bounced call whose send
+ * copy nothing writes (its own slot, apart from the recv copy) does not wait
+ * for its SENDs of that copy to be acknowledged: they are marked done when
+ * posted and complete in the background ("early" sends, ctx bit 63, slot in
+ * bit 62); the next call uses the other slot, and a slot is reused only once
+ * its early sends completed. A small all_reduce so waits only for its RECVs:
+ * the acknowledgements' round trip and wake-up leave its critical path. */
+#define CTX_EARLY (1ull << 63)
+#define CTX_SLOT (1ull << 62)
 
 struct mrc_coll {
     mrc_ep *ep;
@@ -58,8 +67,12 @@ struct mrc_coll {
     mrc_mr *user_mr[2];     /* regions of the send and recv buffers */
     uint64_t mr_base[2];    /* where each buffer starts in its region */
     bool bounced;           /* this run's buffers are copies in bounce */
-    uint8_t *bounce;        /* BOUNCE_BYTES, registered as bounce_mr */
+    uint8_t *bounce;        /* 2 slots of BOUNCE_BYTES, registered as bounce_mr */
     mrc_mr *bounce_mr;
+    int slot;               /* the bounce slot of the last bounced run */
+    int lingering;          /* early sends not yet completed (also in pending) */
+    int slot_pending[2];    /* of them, per slot */
+    int late_rc, late_peer; /* the first early send that failed, for the next run */
 };
 
 /* Per run: state of each step. */
@@ -91,6 +104,8 @@ struct run {
     size_t esize;
     uint32_t steps_done;
     int rc, failed_peer;
+    bool early;             /* SENDs from the send buffer are early (see BOUNCE_BYTES) */
+    bool send_written;      /* some step writes the send buffer */
 };
 
 static uint64_t now_ms(void)
@@ -171,6 +186,10 @@ void mrc_coll_destroy(mrc_coll *c)
 {
     if (!c)
         return;
+    /* Early sends of the last runs: their acknowledgements are on the way
+     * (every peer that finished its call has the data). */
+    if (c->pending && c->pending == c->lingering)
+        mrc_coll_drain(c, 1000);
     /* Operations still pending (a failed run nobody drained) reference the
      * regions: leave them to mrc_ep_destroy rather than free them under it. */
     if (!c->pending) {
@@ -271,6 +290,8 @@ static int check_plan(struct run *r)
         default:
             return MRC_EUSAGE;
         }
+        if (t->kind != MRC_STEP_SEND && p->refs[t->dst].buf == MRC_BUF_SEND)
+            r->send_written = true;
         if (t->kind != MRC_STEP_SEND && p->refs[t->dst].buf == MRC_BUF_SCRATCH) {
             uint32_t k = (uint32_t)p->refs[t->dst].off;
             if (r->rings[k].producer >= 0)
@@ -470,7 +491,12 @@ static int post_chunk(struct run *r, uint32_t s, uint32_t i)
 {
     const struct mrc_coll_step *t = &r->p->steps[s];
     mrc_coll *c = r->c;
-    struct mrc_wr wr = {.cq = c->cq, .ctx = ((uint64_t)s << 32) | i, .len = chunk_len(r, t, i)};
+    /* MRC_POST_MORE: the progress thread is woken once for the whole batch
+     * (main_loop kicks it after issue()). */
+    struct mrc_wr wr = {.cq = c->cq,
+                        .flags = MRC_POST_MORE,
+                        .ctx = ((uint64_t)s << 32) | i,
+                        .len = chunk_len(r, t, i)};
     if (t->kind == MRC_STEP_SEND) {
         wr.kind = MRC_OP_SEND;
         ref_chunk(r, &r->p->refs[t->src], i, &wr.mr, &wr.loff);
@@ -482,10 +508,18 @@ static int post_chunk(struct run *r, uint32_t s, uint32_t i)
     }
     if (!wr.len)
         wr.loff = 0; /* an empty chunk may sit at the end of its buffer */
+    bool early = r->early && t->kind == MRC_STEP_SEND && r->p->refs[t->src].buf == MRC_BUF_SEND;
+    if (early)
+        wr.ctx |= CTX_EARLY | (c->slot ? CTX_SLOT : 0);
     int rc = mrc_post(c->peers[t->peer], &wr, NULL);
     if (rc)
         return rc;
     c->pending++;
+    if (early) {
+        c->lingering++;
+        c->slot_pending[c->slot]++;
+        return 1;
+    }
     return 0;
 }
 
@@ -547,14 +581,18 @@ static int issue(struct run *r)
             if (!ready(r, s, st->next))
                 break;
             int rc = post_chunk(r, s, st->next);
-            if (rc) {
+            if (rc < 0) {
                 r->rc = rc;
                 r->failed_peer = q / 2;
                 return rc;
             }
-            st->next++;
-            st->inflight++;
-            r->inflight[q]++;
+            if (rc == 1) {
+                mark_done(r, s, st->next++); /* early: its completion comes later */
+            } else {
+                st->next++;
+                st->inflight++;
+                r->inflight[q]++;
+            }
             started++;
         }
     }
@@ -567,7 +605,19 @@ static void complete(struct run *r, const struct mrc_wc *wc)
 {
     mrc_coll *c = r->c;
     c->pending--;
-    uint32_t s = (uint32_t)(wc->ctx >> 32), i = (uint32_t)wc->ctx;
+    if (wc->ctx & CTX_EARLY) {
+        c->lingering--;
+        c->slot_pending[(wc->ctx & CTX_SLOT) ? 1 : 0]--;
+        if (wc->status && !c->late_rc) {
+            c->late_rc = wc->status;
+            c->late_peer = -1;
+            for (int p = 0; p < c->nranks; p++)
+                if (c->peers[p] && c->peers[p] == wc->conn)
+                    c->late_peer = p;
+        }
+        return;
+    }
+    uint32_t s = (uint32_t)((wc->ctx & ~(CTX_EARLY | CTX_SLOT)) >> 32), i = (uint32_t)wc->ctx;
     if (!r->p || s >= r->p->nsteps)
         return; /* draining after a failure: only the count matters */
     const struct mrc_coll_step *t = &r->p->steps[s];
@@ -610,13 +660,33 @@ static int waited_peer(const struct run *r)
     return -1;
 }
 
+/* How many completions to sleep for: once every transfer of the run is
+ * posted nothing new can be posted, so one wake-up for all of them (what is
+ * left to do, the local steps, runs right after) instead of one per
+ * completion; before that, any completion may let a chunk start. */
+static int wake_count(const struct run *r)
+{
+    if (!r->p)
+        return 1;
+    for (uint32_t s = 0; s < r->p->nsteps; s++) {
+        const struct mrc_coll_step *t = &r->p->steps[s];
+        if ((t->kind == MRC_STEP_SEND || t->kind == MRC_STEP_RECV) &&
+            r->st[s].next < r->st[s].nchunks)
+            return 1;
+    }
+    uint32_t n = 0;
+    for (int q = 0; q < 2 * r->c->nranks; q++)
+        n += r->inflight[q];
+    return n > WC_BATCH ? WC_BATCH : n ? (int)n : 1;
+}
+
 /* Waits up to ms for completions and handles them: >0 handled, 0 none. */
 static int reap(struct run *r, int ms)
 {
     struct mrc_wc wc[WC_BATCH];
     int n = mrc_cq_poll(r->c->cq, wc, WC_BATCH);
     if (n == 0 && ms)
-        n = mrc_cq_wait(r->c->cq, wc, WC_BATCH, ms);
+        n = mrc_cq_wait_min(r->c->cq, wc, WC_BATCH, wake_count(r), ms);
     if (n == -ETIMEDOUT)
         return 0;
     if (n < 0) {
@@ -641,6 +711,7 @@ static int main_loop(struct run *r)
         int started;
         while ((started = issue(r)) > 0)
             last = now_ms();
+        mrc_ep_kick(c->ep); /* the posts above (if any) did not wake the progress thread */
         if (started < 0 || r->steps_done == r->p->nsteps)
             break;
         int got = reap(r, WAIT_SLICE_MS);
@@ -722,35 +793,69 @@ static void run_free(struct run *r)
     free(r->done_pool);
 }
 
-/* Small calls: copies of the buffers in the bounce region (recv too, so that
- * bytes the schedule does not write come back unchanged). */
+/* Waits until bounce slot k has no early sends left (their peer's
+ * acknowledgement is one round trip away), up to the call's timeout. */
+static int slot_wait(mrc_coll *c, int k, int timeout_ms)
+{
+    struct run idle = {.c = c};
+    uint64_t until = now_ms() + (uint64_t)(timeout_ms < 0 ? 0 : timeout_ms);
+    while (c->slot_pending[k]) {
+        if (atomic_load(&c->aborted))
+            return MRC_EABORT;
+        if (timeout_ms >= 0 && now_ms() > until)
+            return MRC_ETIMEOUT;
+        int n = reap(&idle, WAIT_SLICE_MS);
+        if (n < 0)
+            return n;
+    }
+    return 0;
+}
+
+/* Small calls: copies of the buffers in a bounce slot (recv too, so that
+ * bytes the schedule does not write come back unchanged). The send copy gets
+ * its own place even in place when both fit, so that its sends can be early. */
 static int bounce_in(mrc_coll *c, struct run *r, const struct mrc_coll_args *a)
 {
     bool same = a->recv == a->send && a->recv_len == a->send_len;
-    uint64_t roff = same ? 0 : (a->send_len + 63) & ~(uint64_t)63;
-    if (roff + (same ? a->send_len : a->recv_len) > BOUNCE_BYTES)
+    uint64_t roff = (a->send_len + 63) & ~(uint64_t)63;
+    bool split = roff + a->recv_len <= BOUNCE_BYTES;
+    if (same && !split)
+        roff = 0; /* in place, too big for two copies: one, no early sends */
+    else if (!split)
+        return 1;
+    if (roff + a->recv_len > BOUNCE_BYTES)
         return 1;
     if (!c->bounce) {
-        c->bounce = aligned_alloc(64, BOUNCE_BYTES);
+        c->bounce = aligned_alloc(64, 2 * BOUNCE_BYTES);
         if (!c->bounce)
             return -ENOMEM;
-        int rc = mrc_mr_reg(c->ep, c->bounce, BOUNCE_BYTES, 0, &c->bounce_mr);
+        int rc = mrc_mr_reg(c->ep, c->bounce, 2 * BOUNCE_BYTES, 0, &c->bounce_mr);
         if (rc) {
             free(c->bounce);
             c->bounce = NULL;
             return rc;
         }
     }
+    /* The other slot than last time, once its early sends are done. */
+    int k = c->slot ^ 1;
+    if (c->slot_pending[k] && !c->slot_pending[c->slot])
+        k = c->slot;
+    int rc = slot_wait(c, k, a->timeout_ms);
+    if (rc)
+        return rc;
+    c->slot = k;
+    uint8_t *base = c->bounce + (uint64_t)k * BOUNCE_BYTES;
     if (a->send_len)
-        memcpy(c->bounce, a->send, a->send_len);
-    if (!same && a->recv_len)
-        memcpy(c->bounce + roff, a->recv, a->recv_len);
-    r->bufs[0] = c->bounce;
-    r->bufs[1] = c->bounce + roff;
+        memcpy(base, a->send, a->send_len);
+    if (roff && a->recv_len)
+        memcpy(base + roff, a->recv, a->recv_len);
+    r->bufs[0] = base;
+    r->bufs[1] = base + roff;
     c->user_mr[0] = c->user_mr[1] = c->bounce_mr;
-    c->mr_base[0] = 0;
-    c->mr_base[1] = roff;
+    c->mr_base[0] = (uint64_t)k * BOUNCE_BYTES;
+    c->mr_base[1] = c->mr_base[0] + roff;
     c->bounced = true;
+    r->early = roff != 0 && !r->send_written;
     return 0;
 }
 
@@ -784,10 +889,21 @@ int mrc_coll_run(mrc_coll *c, const struct mrc_coll_plan *p, const struct mrc_co
     if (!c || !p || !a || (p->nsteps && !p->steps) || (p->nrefs && !p->refs) ||
         (p->ndeps && !p->deps) || (a->send_len && !a->send) || (a->recv_len && !a->recv))
         return MRC_EUSAGE;
-    if (c->pending)
+    if (c->pending > c->lingering)
         return MRC_EBUSY; /* a failed run was not drained */
     if (atomic_load(&c->aborted))
         return MRC_EABORT;
+    if (c->lingering) {
+        struct run idle = {.c = c};
+        reap(&idle, 0); /* completions of earlier runs' early sends */
+    }
+    if (c->late_rc) {
+        /* An earlier call's early send failed after that call returned. */
+        int late = c->late_rc;
+        *failed_peer = c->late_peer;
+        c->late_rc = 0;
+        return late;
+    }
     struct run r = {.c = c, .p = p, .a = a, .failed_peer = -1};
     r.esize = mrc_dtype_size(a->dtype);
     if (!r.esize || a->op < 0 || a->op >= MRC_NREDOPS)
@@ -823,8 +939,12 @@ int mrc_coll_run(mrc_coll *c, const struct mrc_coll_plan *p, const struct mrc_co
                 c->seq[peer]++;
     }
     run_free(&r);
-    if (!c->pending)
+    if (c->pending == c->lingering && c->bounced) {
+        c->bounced = false; /* early sends may still read the slot: it stays theirs */
+        c->user_mr[0] = c->user_mr[1] = NULL;
+    } else if (!c->pending) {
         release_user_mrs(c);
+    }
     return rc;
 }
 

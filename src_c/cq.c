@@ -129,7 +129,20 @@ void mrc_cq_shutdown(mrc_cq *cq)
     pthread_mutex_unlock(&cq->ep->lock);
 }
 
-int mrc_cq_fd(const mrc_cq *cq) { return cq ? cq->fd : MRC_EUSAGE; }
+int mrc_cq_fd(mrc_cq *cq)
+{
+    if (!cq)
+        return MRC_EUSAGE;
+    pthread_mutex_lock(&cq->ep->lock);
+    if (!cq->fd_used) {
+        cq->fd_used = true;
+        uint64_t one = 1;
+        if (cq->head && !cq->fd_set && write(cq->fd, &one, sizeof(one)) == (ssize_t)sizeof(one))
+            cq->fd_set = true;
+    }
+    pthread_mutex_unlock(&cq->ep->lock);
+    return cq->fd;
+}
 
 void cq_push_locked(mrc_cq *cq, struct cq_ent *e)
 {
@@ -139,13 +152,16 @@ void cq_push_locked(mrc_cq *cq, struct cq_ent *e)
     else
         cq->head = e;
     cq->tail = e;
-    if (!cq->fd_set) {
+    cq->len++;
+    if (cq->fd_used && !cq->fd_set) {
         uint64_t one = 1;
         /* Never full: the counter is read back to 0 whenever the queue empties. */
         if (write(cq->fd, &one, sizeof(one)) == (ssize_t)sizeof(one))
             cq->fd_set = true;
     }
-    if (cq->waiters)
+    /* One waiter with a threshold sleeps until it is met; several may
+     * want different counts, so each entry wakes one of them. */
+    if (cq->waiters && (cq->waiters > 1 || cq->len >= (uint32_t)cq->want))
         pthread_cond_signal(&cq->cv);
 }
 
@@ -158,6 +174,7 @@ static int cq_take_locked(mrc_cq *cq, struct mrc_wc *wc, int max, struct cq_ent 
         last = cq->head;
         wc[n++] = last->wc;
         cq->head = last->next;
+        cq->len--;
     }
     if (last)
         last->next = NULL;
@@ -193,18 +210,26 @@ int mrc_cq_poll(mrc_cq *cq, struct mrc_wc *wc, int max)
 static bool cq_wakeable(const void *arg)
 {
     const mrc_cq *cq = arg;
-    return cq->head || cq->ep->stopping || cq->shut;
+    return cq->len >= (uint32_t)(cq->want > 1 && cq->waiters == 1 ? cq->want : 1) ||
+           cq->ep->stopping || cq->shut;
 }
 
 int mrc_cq_wait(mrc_cq *cq, struct mrc_wc *wc, int max, int timeout_ms)
+{
+    return mrc_cq_wait_min(cq, wc, max, 1, timeout_ms);
+}
+
+int mrc_cq_wait_min(mrc_cq *cq, struct mrc_wc *wc, int max, int min, int timeout_ms)
 {
     if (!cq || max < 1 || !wc)
         return MRC_EUSAGE;
     mrc_ep *ep = cq->ep;
     pthread_mutex_lock(&ep->lock);
     cq->waiters++;
+    cq->want = min < 1 ? 1 : min > max ? max : min;
     ep_wait_locked(ep, &cq->cv, timeout_ms, cq_wakeable, cq);
     cq->waiters--;
+    cq->want = 1;
     bool stopping = ep->stopping || cq->shut;
     if (ep->stopping && !cq->waiters)
         pthread_cond_broadcast(&ep->cv); /* cq_stop_waiters */

@@ -250,6 +250,18 @@ int mrc_ep_plane(const mrc_ep *ep, int plane, char *addr, size_t addrlen, uint16
     return 0;
 }
 
+void mrc_ep_kick(mrc_ep *ep)
+{
+    if (!ep)
+        return;
+    pthread_mutex_lock(&ep->lock);
+    bool wake = ep->wake_deferred && ep->sleeping;
+    ep->wake_deferred = false;
+    pthread_mutex_unlock(&ep->lock);
+    if (wake)
+        ep_wake(ep);
+}
+
 void ep_wake(mrc_ep *ep)
 {
     uint64_t one = 1;
@@ -332,7 +344,9 @@ static int op_post(mrc_conn *c, mrc_op *op, mrc_op **out)
     else
         ep->subq_head = op;
     ep->subq_tail = op;
-    bool wake = ep->sleeping;
+    bool more = op->flags & MRC_POST_MORE;
+    bool wake = ep->sleeping && !more;
+    ep->wake_deferred = ep->sleeping && more;
     pthread_mutex_unlock(&ep->lock);
     if (wake)
         ep_wake(ep);
@@ -373,7 +387,7 @@ int mrc_post(mrc_conn *c, const struct mrc_wr *wr, mrc_op **out)
         return MRC_EUSAGE;
     if (wr->kind != MRC_OP_WRITE && wr->kind != MRC_OP_SEND && wr->kind != MRC_OP_RECV)
         return MRC_EUSAGE;
-    if (wr->flags & ~(wr->kind == MRC_OP_WRITE ? MRC_WRITE_IMM : 0))
+    if (wr->flags & ~(MRC_POST_MORE | (wr->kind == MRC_OP_WRITE ? MRC_WRITE_IMM : 0)))
         return MRC_EUSAGE;
     mrc_op *op = op_new(c, wr);
     if (!op)

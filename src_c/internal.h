@@ -129,6 +129,9 @@ struct mrc_cq {
     /* [lock] */
     struct cq_ent *head, *tail;
     bool fd_set;        /* the eventfd counter is non-zero */
+    bool fd_used;       /* mrc_cq_fd was called: keep the eventfd up to date */
+    uint32_t len;       /* entries in the queue */
+    int want;           /* a lone waiter's threshold (mrc_cq_wait_min) */
     int waiters;        /* threads inside mrc_cq_wait */
     uint64_t npending;  /* ops posted to it and not yet completed */
     int nbound;         /* connections bound with mrc_conn_set_cq */
@@ -382,6 +385,7 @@ struct mrc_ep {
     pthread_cond_t op_cv[MRC_OP_CVS];   /* op waiters, by op_cv_index: a batch wakes only
                                          * the buckets of its ops that someone waits on */
     bool stopping, sleeping;
+    bool wake_deferred; /* an MRC_POST_MORE post found the thread asleep */
     bool stopped;      /* the progress thread has returned: nothing touches objects now */
     mrc_op *subq_head, *subq_tail;
     struct ctl *ctlq_head, *ctlq_tail;

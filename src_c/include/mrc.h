@@ -241,19 +241,25 @@ int mrc_cq_destroy(mrc_cq *cq);
  * Bindings call it before freeing the endpoint, so that no thread is left
  * about to wait on a CQ that goes. */
 void mrc_cq_shutdown(mrc_cq *cq);
-int mrc_cq_fd(const mrc_cq *cq);
+/* The eventfd is written only once it has been asked for: a CQ that is only
+ * polled and waited on costs no write/read pair per completion batch. */
+int mrc_cq_fd(mrc_cq *cq);
 /* Up to max completions, never blocks: returns how many (>= 0) or a negative code. */
 int mrc_cq_poll(mrc_cq *cq, struct mrc_wc *wc, int max);
 /* Like poll, but blocks until at least one (returns n > 0) or -ETIMEDOUT;
  * timeout_ms < 0 waits forever. MRC_ECLOSED once the endpoint is being destroyed. */
 int mrc_cq_wait(mrc_cq *cq, struct mrc_wc *wc, int max, int timeout_ms);
+/* Like wait, but sleeps until at least min completions wait (fewer only on
+ * timeout, or when shut down): a caller that can do nothing with fewer is not
+ * woken once per completion. min <= 1 is mrc_cq_wait. */
+int mrc_cq_wait_min(mrc_cq *cq, struct mrc_wc *wc, int max, int min, int timeout_ms);
 /* cq NULL unbinds. Immediates already waiting for mrc_conn_wait_imm move to cq. */
 int mrc_conn_set_cq(mrc_conn *c, mrc_cq *cq, uint64_t ctx);
 
 /* One work request: the general form of mrc_post_write/send/recv. */
 struct mrc_wr {
     int kind;                  /* MRC_OP_WRITE, MRC_OP_SEND, MRC_OP_RECV */
-    int flags;                 /* MRC_WRITE_IMM */
+    int flags;                 /* MRC_WRITE_IMM, MRC_POST_MORE */
     mrc_mr *mr;                /* local region */
     uint64_t loff, len;
     uint64_t rkey, roff;       /* WRITE */
@@ -266,6 +272,11 @@ struct mrc_wr {
  * and the op is freed once polled. mrc_post_write/send/recv are this with no CQ
  * (their out must not be NULL). */
 int mrc_post(mrc_conn *c, const struct mrc_wr *wr, mrc_op **out);
+/* MRC_POST_MORE: more posts follow at once, so a sleeping progress thread is
+ * not woken for this one (sendmmsg's MSG_MORE idea: one wake-up, one drain for
+ * a batch); a later post without it, or mrc_ep_kick(), wakes it. */
+#define MRC_POST_MORE 0x100
+void mrc_ep_kick(mrc_ep *ep);
 
 /* ---- collectives: reductions (reduce.c) ----------------------------------
  * acc[i] = acc[i] op src[i]. float16/bfloat16 (IEEE binary16 / the top half

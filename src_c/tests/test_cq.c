@@ -2,7 +2,8 @@
  * test_cq.c - completion queues: hundreds of ops over several connections
  * complete exactly once each on their CQ with their ctx, immediates of bound
  * connections arrive as MRC_WC_IMM, the eventfd is readable exactly while
- * entries wait, wait times out, destroy refuses while in use, and an
+ * entries wait (once asked for), wait_min sleeps for a count, MRC_POST_MORE
+ * posts go out on mrc_ep_kick, wait times out, destroy refuses while in use, and an
  * endpoint destroyed with ops pending on open CQs frees everything (run under
  * ASan's leak checker by `make asan-test`).
  */
@@ -381,10 +382,97 @@ static void destroy_with_pending(void)
     free(buf);
 }
 
+/* mrc_cq_wait_min sleeps until min entries wait (fewer only on timeout);
+ * posts with MRC_POST_MORE go out once mrc_ep_kick (or a plain post) wakes
+ * the progress thread; an eventfd asked for after entries queued is readable
+ * at once. */
+static void wait_min_and_more(void)
+{
+    enum { N = 5, LEN = 64 };
+    mrc_cq *cqa, *cqb;
+    CHECK_RC(mrc_cq_create(a, &cqa));
+    CHECK_RC(mrc_cq_create(b, &cqb));
+    uint8_t *src = malloc(N * LEN), *dst = calloc(N, LEN);
+    for (int i = 0; i < N * LEN; i++)
+        src[i] = (uint8_t)(i * 7 + 1);
+    mrc_mr *ms, *md;
+    CHECK_RC(mrc_mr_reg(a, src, N * LEN, 0, &ms));
+    CHECK_RC(mrc_mr_reg(b, dst, N * LEN, 0, &md));
+    for (int i = 0; i < N; i++) {
+        struct mrc_wr r = {.kind = MRC_OP_RECV, .flags = MRC_POST_MORE, .mr = md,
+                           .loff = (uint64_t)i * LEN, .len = LEN, .tag = MRC_TAG_ANY,
+                           .cq = cqb, .ctx = (uint64_t)i};
+        CHECK_RC(mrc_post(cb[0], &r, NULL));
+    }
+    mrc_ep_kick(b);
+    for (int i = 0; i < N; i++) {
+        struct mrc_wr w = {.kind = MRC_OP_SEND, .flags = MRC_POST_MORE, .mr = ms,
+                           .loff = (uint64_t)i * LEN, .len = LEN, .tag = (uint64_t)i,
+                           .cq = cqa, .ctx = (uint64_t)i};
+        CHECK_RC(mrc_post(ca[0], &w, NULL));
+    }
+    mrc_ep_kick(a);
+    struct mrc_wc wc[8];
+    int n = mrc_cq_wait_min(cqb, wc, 8, N, 10000);
+    CHECK(n == N);
+    for (int i = 0; i < n; i++)
+        CHECK(wc[i].status == 0 && wc[i].kind == MRC_WC_RECV && wc[i].ctx == (uint64_t)i);
+    CHECK(memcmp(dst, src, N * LEN) == 0);
+    /* The sends' completions, all at once; then the fd, asked for late. */
+    int got = 0;
+    while (got < N) {
+        int r = mrc_cq_wait_min(cqa, wc, 8, N - got, 10000);
+        CHECK(r > 0);
+        got += r > 0 ? r : N;
+    }
+    CHECK(got == N);
+    /* Nothing queued: a timeout, not a hang, whatever min says. */
+    CHECK(mrc_cq_wait_min(cqa, wc, 8, 3, 20) == -ETIMEDOUT);
+    struct mrc_wr w = {.kind = MRC_OP_SEND, .mr = ms, .len = LEN, .tag = 9, .cq = cqa};
+    struct mrc_wr r = {.kind = MRC_OP_RECV, .mr = md, .len = LEN, .tag = MRC_TAG_ANY, .cq = cqb};
+    CHECK_RC(mrc_post(cb[0], &r, NULL));
+    CHECK_RC(mrc_post(ca[0], &w, NULL));
+    /* min above what will come: returns what came once the timeout passes */
+    CHECK(mrc_cq_wait_min(cqb, wc, 8, 4, 300) == 1);
+    while (mrc_cq_poll(cqa, wc, 8) == 0)
+        sched_yield();
+    CHECK(!fd_readable(mrc_cq_fd(cqa)));
+    CHECK_RC(mrc_post(cb[0], &r, NULL));
+    CHECK_RC(mrc_post(ca[0], &w, NULL));
+    CHECK(mrc_cq_wait(cqb, wc, 8, 10000) == 1);
+    while (mrc_cq_wait(cqa, wc, 1, 0) == -ETIMEDOUT)
+        sched_yield();
+    /* An entry queued before the eventfd is asked for: readable at once. */
+    mrc_cq *cqc;
+    CHECK_RC(mrc_cq_create(b, &cqc));
+    r.cq = cqc;
+    mrc_op *op;
+    CHECK_RC(mrc_post(cb[0], &r, &op));
+    CHECK_RC(mrc_post(ca[0], &w, NULL));
+    CHECK_RC(mrc_op_wait(op, 10000));
+    mrc_op_release(op);
+    CHECK(fd_readable(mrc_cq_fd(cqc)));
+    CHECK(mrc_cq_poll(cqc, wc, 8) == 1 && !fd_readable(mrc_cq_fd(cqc)));
+    CHECK_RC(mrc_cq_destroy(cqc));
+    while (mrc_cq_wait(cqa, wc, 1, 0) == -ETIMEDOUT)
+        sched_yield();
+    /* The usage check still refuses unknown flags. */
+    struct mrc_wr bad = w;
+    bad.flags = 0x200;
+    CHECK(mrc_post(ca[0], &bad, NULL) == MRC_EUSAGE);
+    CHECK_RC(mrc_mr_dereg(ms));
+    CHECK_RC(mrc_mr_dereg(md));
+    CHECK_RC(mrc_cq_destroy(cqa));
+    CHECK_RC(mrc_cq_destroy(cqb));
+    free(src);
+    free(dst);
+}
+
 int main(void)
 {
     setup();
     many_ops();
+    wait_min_and_more();
     timeout_and_busy();
     usage_errors();
     op_waiters();
