@@ -98,9 +98,8 @@ static int nl_talk(int fd, struct nlmsghdr *nh, void *reply, size_t reply_len)
                 continue;
             return -errno;
         }
-        int len = (int)n;
-        for (struct nlmsghdr *m = (struct nlmsghdr *)buf; NLMSG_OK(m, len);
-             m = NLMSG_NEXT(m, len)) {
+        for (struct nlmsghdr *m = (struct nlmsghdr *)buf; NLMSG_OK(m, (size_t)n);
+             m = NLMSG_NEXT(m, n)) {
             if (m->nlmsg_seq != nh->nlmsg_seq)
                 continue;
             if (m->nlmsg_type == NLMSG_ERROR) {
