@@ -528,6 +528,7 @@ cdef class Endpoint:
                 "acks_rx": st.acks_rx, "lost_rack": st.lost_rack, "lost_rto": st.lost_rto,
                 "lost_flush": st.lost_flush, "probe_timeouts": st.probe_timeouts,
                 "link_events": st.link_events,
+                "seg6route_failures": st.seg6route_failures,
                 "loop_iters": st.loop_iters, "rx_reads": st.rx_reads,
                 "rx_gro_reads": st.rx_gro_reads, "tx_sends": st.tx_sends,
                 "conns": st.nconns, "sockets": st.nsocks,

@@ -338,6 +338,7 @@ struct msock {
     bool no_gso;        /* the kernel refused UDP GSO here: one datagram per packet */
     bool gro;           /* plane socket with UDP GRO: a read may hold many packets */
     bool seg6route;     /* route socket whose SRH a kernel seg6 route inserts (SO_MARK) */
+    uint32_t mark;      /* its mark: the table that holds the route */
     struct in6_addr segs[MRC_MAX_SEGS];
     struct txbatch batch;
 };
@@ -519,6 +520,10 @@ int link_open(mrc_ep *ep);
 /* seg6route.c: the firewall mark under which the kernel inserts this
  * route's SRH (installing the rule and table once per host); <0: none. */
 int seg6route_mark(int ifindex, int nsegs, const struct in6_addr *segs, uint32_t *mark);
+/* Puts table `mark` back as seg6route_mark made it (after a link down). */
+int seg6route_restore(uint32_t mark, int ifindex, int nsegs, const struct in6_addr *segs);
+/* sock.c: restores the seg6 routes of plane's route sockets. */
+void sock_seg6route_restore_pt(mrc_ep *ep, int plane);
 void link_poll_pt(mrc_ep *ep);
 
 /* engine.c */

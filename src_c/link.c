@@ -72,8 +72,12 @@ static void link_plane_event_pt(mrc_ep *ep, int plane, bool up)
         return;
     pl->link_down = !up;
     ep->st.link_events++;
-    if (up)
+    if (up) {
+        /* Setting an interface down deletes the routes through it, the seg6
+         * routes of this plane's route sockets too: put them back. */
+        sock_seg6route_restore_pt(ep, plane);
         return;
+    }
     uint64_t now = now_ns();
     for (mrc_conn *c = ep->active; c; c = c->next_active)
         for (int i = 0; i < c->npaths; i++)

@@ -28,7 +28,9 @@
  * in place when the endpoint closes (another endpoint may use them; see
  * docs/routing.md for listing and removing them). Before a socket uses M the
  * kernel is asked which route a marked packet takes; if that is not ours (a
- * hash collision, or someone else's rule) the next M is tried.
+ * hash collision, or someone else's rule) the next M is tried. Setting the
+ * plane's interface down deletes the route (not the rule or the throw); the
+ * endpoint puts it back when the link comes up (link.c).
  *
  * Without CAP_NET_ADMIN, or on a kernel without seg6 lwtunnels, this fails
  * and the caller falls back to the sticky header (correct, only slower).
@@ -51,10 +53,11 @@
 #define SEG6ROUTE_BASE 0x6d720000u /* "mr": marks and tables 0x6d720000-0x6d72ffff */
 #define SEG6ROUTE_PROBES 16
 
+/* A request: the header and its attributes in one buffer (nl_put appends). */
 struct nlreq {
-    struct nlmsghdr nh;
-    char buf[1024];
+    _Alignas(struct nlmsghdr) char raw[1040];
 };
+#define NH(r) ((struct nlmsghdr *)(void *)(r)->raw)
 
 static void *nl_tail(struct nlmsghdr *nh)
 {
@@ -143,34 +146,34 @@ static int rule_add(int fd, uint32_t mark)
 {
     struct nlreq r;
     memset(&r, 0, sizeof(r));
-    r.nh.nlmsg_len = NLMSG_LENGTH(sizeof(struct fib_rule_hdr));
-    r.nh.nlmsg_type = RTM_NEWRULE;
-    r.nh.nlmsg_flags = NLM_F_CREATE | NLM_F_EXCL;
-    struct fib_rule_hdr *f = NLMSG_DATA(&r.nh);
+    NH(&r)->nlmsg_len = NLMSG_LENGTH(sizeof(struct fib_rule_hdr));
+    NH(&r)->nlmsg_type = RTM_NEWRULE;
+    NH(&r)->nlmsg_flags = NLM_F_CREATE | NLM_F_EXCL;
+    struct fib_rule_hdr *f = NLMSG_DATA(NH(&r));
     f->family = AF_INET6;
     f->action = FR_ACT_TO_TBL;
-    nl_put_u32(&r.nh, FRA_PRIORITY, SEG6ROUTE_PREF);
-    nl_put_u32(&r.nh, FRA_FWMARK, mark);
-    nl_put_u32(&r.nh, FRA_FWMASK, 0xffffffffu);
-    nl_put_u32(&r.nh, FRA_TABLE, mark);
-    int rc = nl_talk(fd, &r.nh, NULL, 0);
+    nl_put_u32(NH(&r), FRA_PRIORITY, SEG6ROUTE_PREF);
+    nl_put_u32(NH(&r), FRA_FWMARK, mark);
+    nl_put_u32(NH(&r), FRA_FWMASK, 0xffffffffu);
+    nl_put_u32(NH(&r), FRA_TABLE, mark);
+    int rc = nl_talk(fd, NH(&r), NULL, 0);
     return rc == -EEXIST ? 0 : rc;
 }
 
 static struct rtmsg *route_msg(struct nlreq *r, uint16_t type, uint16_t flags, uint32_t table)
 {
     memset(r, 0, sizeof(*r));
-    r->nh.nlmsg_len = NLMSG_LENGTH(sizeof(struct rtmsg));
-    r->nh.nlmsg_type = type;
-    r->nh.nlmsg_flags = flags;
-    struct rtmsg *m = NLMSG_DATA(&r->nh);
+    NH(r)->nlmsg_len = NLMSG_LENGTH(sizeof(struct rtmsg));
+    NH(r)->nlmsg_type = type;
+    NH(r)->nlmsg_flags = flags;
+    struct rtmsg *m = NLMSG_DATA(NH(r));
     m->rtm_family = AF_INET6;
     m->rtm_table = RT_TABLE_UNSPEC; /* the table is in RTA_TABLE: 32 bits */
     m->rtm_protocol = RTPROT_STATIC;
     m->rtm_scope = RT_SCOPE_UNIVERSE;
     m->rtm_type = RTN_UNICAST;
     if (table)
-        nl_put_u32(&r->nh, RTA_TABLE, table);
+        nl_put_u32(NH(r), RTA_TABLE, table);
     return m;
 }
 
@@ -178,17 +181,17 @@ static int route_add(int fd, uint32_t table, int ifindex, const uint8_t *srh, si
 {
     struct nlreq r;
     route_msg(&r, RTM_NEWROUTE, NLM_F_CREATE | NLM_F_EXCL, table);
-    nl_put_u32(&r.nh, RTA_OIF, (uint32_t)ifindex);
+    nl_put_u32(NH(&r), RTA_OIF, (uint32_t)ifindex);
     uint16_t et = LWTUNNEL_ENCAP_SEG6;
-    nl_put(&r.nh, RTA_ENCAP_TYPE, &et, sizeof(et));
-    struct rtattr *nest = nl_put(&r.nh, RTA_ENCAP | NLA_F_NESTED, NULL, 0);
+    nl_put(NH(&r), RTA_ENCAP_TYPE, &et, sizeof(et));
+    struct rtattr *nest = nl_put(NH(&r), RTA_ENCAP | NLA_F_NESTED, NULL, 0);
     uint8_t tun[sizeof(int) + 8 + 16 * MRC_MAX_SEGS];
     int mode = SEG6_IPTUN_MODE_INLINE;
     memcpy(tun, &mode, sizeof(mode));
     memcpy(tun + sizeof(mode), srh, srhlen);
-    nl_put(&r.nh, SEG6_IPTUNNEL_SRH, tun, sizeof(mode) + srhlen);
-    nest->rta_len = (unsigned short)((char *)nl_tail(&r.nh) - (char *)nest);
-    int rc = nl_talk(fd, &r.nh, NULL, 0);
+    nl_put(NH(&r), SEG6_IPTUNNEL_SRH, tun, sizeof(mode) + srhlen);
+    nest->rta_len = (unsigned short)((char *)nl_tail(NH(&r)) - (char *)nest);
+    int rc = nl_talk(fd, NH(&r), NULL, 0);
     return rc == -EEXIST ? 0 : rc;
 }
 
@@ -198,8 +201,8 @@ static int throw_add(int fd, uint32_t table, const struct in6_addr *sid)
     struct rtmsg *m = route_msg(&r, RTM_NEWROUTE, NLM_F_CREATE | NLM_F_EXCL, table);
     m->rtm_type = RTN_THROW;
     m->rtm_dst_len = 128;
-    nl_put(&r.nh, RTA_DST, sid, sizeof(*sid));
-    int rc = nl_talk(fd, &r.nh, NULL, 0);
+    nl_put(NH(&r), RTA_DST, sid, sizeof(*sid));
+    int rc = nl_talk(fd, NH(&r), NULL, 0);
     return rc == -EEXIST ? 0 : rc;
 }
 
@@ -212,13 +215,13 @@ static bool route_is_ours(int fd, uint32_t mark, int ifindex, const struct in6_a
     struct rtmsg *m = route_msg(&r, RTM_GETROUTE, 0, 0);
     m->rtm_flags = RTM_F_FIB_MATCH; /* the route entry itself, with its encap */
     m->rtm_dst_len = 128;
-    nl_put(&r.nh, RTA_DST, dst, sizeof(*dst));
-    nl_put_u32(&r.nh, RTA_MARK, mark);
+    nl_put(NH(&r), RTA_DST, dst, sizeof(*dst));
+    nl_put_u32(NH(&r), RTA_MARK, mark);
     union {
         struct nlmsghdr nh;
         char buf[4096];
     } rep;
-    if (nl_talk(fd, &r.nh, &rep, sizeof(rep)) < 0 || rep.nh.nlmsg_type != RTM_NEWROUTE)
+    if (nl_talk(fd, NH(&r), &rep, sizeof(rep)) < 0 || rep.nh.nlmsg_type != RTM_NEWROUTE)
         return false;
     struct rtmsg *rm = NLMSG_DATA(&rep.nh);
     int len = (int)RTM_PAYLOAD(&rep.nh);
@@ -250,36 +253,62 @@ static bool route_is_ours(int fd, uint32_t mark, int ifindex, const struct in6_a
     return table == mark && oif == (uint32_t)ifindex && seg6 && same;
 }
 
-int seg6route_mark(int ifindex, int nsegs, const struct in6_addr *segs, uint32_t *mark)
+static int nl_open(void)
 {
-    if (ifindex <= 0 || nsegs < 2 || nsegs > MRC_MAX_SEGS)
-        return MRC_EUSAGE;
     int fd = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
     if (fd < 0)
         return -errno;
     struct timeval tv = {.tv_sec = 2};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    return fd;
+}
+
+/* Adds rule, throw and route of table m (each may exist already): 0 when a
+ * packet with mark m then takes our route, 1 when it takes another (m is
+ * someone else's), else the kernel's error (EPERM, EOPNOTSUPP, ENETDOWN). */
+static int install(int fd, uint32_t m, int ifindex, int nsegs, const struct in6_addr *segs)
+{
     uint8_t srh[8 + 16 * MRC_MAX_SEGS];
     size_t srhlen = srh_build(srh, nsegs, segs);
+    int r = rule_add(fd, m);
+    if (r == 0)
+        r = throw_add(fd, m, &segs[0]);
+    if (r == 0)
+        r = route_add(fd, m, ifindex, srh, srhlen);
+    if (r < 0)
+        return r;
+    return route_is_ours(fd, m, ifindex, &segs[nsegs - 1], srh, srhlen) ? 0 : 1;
+}
+
+int seg6route_mark(int ifindex, int nsegs, const struct in6_addr *segs, uint32_t *mark)
+{
+    if (ifindex <= 0 || nsegs < 2 || nsegs > MRC_MAX_SEGS)
+        return MRC_EUSAGE;
+    int fd = nl_open();
+    if (fd < 0)
+        return fd;
     uint32_t h = seg6route_hash(ifindex, nsegs, segs);
     int rc = -EADDRINUSE;
     for (int probe = 0; probe < SEG6ROUTE_PROBES; probe++) {
         uint32_t m = SEG6ROUTE_BASE | ((h + (uint32_t)probe) & 0xffffu);
-        int r = rule_add(fd, m);
-        if (r == 0)
-            r = throw_add(fd, m, &segs[0]);
-        if (r == 0)
-            r = route_add(fd, m, ifindex, srh, srhlen);
-        if (r < 0 && r != -EEXIST) {
-            rc = r; /* EPERM, EOPNOTSUPP, ...: no kernel route here */
-            break;
-        }
-        if (route_is_ours(fd, m, ifindex, &segs[nsegs - 1], srh, srhlen)) {
-            *mark = m;
-            rc = 0;
+        int r = install(fd, m, ifindex, nsegs, segs);
+        if (r <= 0) {
+            rc = r; /* 0: ours; < 0: no kernel route here */
+            if (r == 0)
+                *mark = m;
             break;
         }
     }
+    close(fd);
+    return rc;
+}
+
+int seg6route_restore(uint32_t mark, int ifindex, int nsegs, const struct in6_addr *segs)
+{
+    int fd = nl_open();
+    if (fd < 0)
+        return fd;
+    int rc = install(fd, mark, ifindex, nsegs, segs);
     close(fd);
     return rc;
 }

@@ -171,10 +171,21 @@ int sock_path_pt(mrc_ep *ep, int plane, int nsegs, const struct in6_addr *segs)
         return -ENOMEM;
     }
     s->seg6route = routed;
+    s->mark = mark;
     ep->nsocks_seg6route += routed;
     s->nsegs = nsegs;
     memcpy(s->segs, segs, sizeof(*segs) * (size_t)nsegs);
     return ep->nsocks - 1;
+}
+
+void sock_seg6route_restore_pt(mrc_ep *ep, int plane)
+{
+    for (int i = ep->nplanes; i < ep->nsocks; i++) {
+        struct msock *s = ep->socks[i];
+        if (s->seg6route && s->plane == plane &&
+            seg6route_restore(s->mark, ep->planes[plane].ifindex, s->nsegs, s->segs) != 0)
+            ep->st.seg6route_failures++;
+    }
 }
 
 bool sock_batch_full_pt(mrc_ep *ep, int sock)

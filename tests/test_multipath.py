@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -253,6 +254,11 @@ def test_healed_path_returns_and_carries_traffic(clean: Any) -> None:
             lambda ps: sum(p["tx_pkts"] for p in ps if p["path"] in plane1) > before + 100,
             timeout=10,
         )
+        # Setting nic1 down deleted the kernel seg6 routes of plane 1's route sockets;
+        # the endpoint put them back when the link came up (each table has its route).
+        kernel = [sys.executable, "-m", "mrc.routing.cli", "kernel", "--json"]
+        tables = json.loads(clean.run(SRC, kernel).stdout)["tables"]
+        assert len(tables) == len(plane1) * 4 and all(t["dev"] for t in tables), tables
         verified(t)
         assert took < 2.0, f"healed paths took {took:.3f} s to come back"
     finally:

@@ -451,6 +451,7 @@ struct mrc_ep_stats {
     uint64_t lost_flush;     /* declared lost: its path failed or timed out */
     uint64_t probe_timeouts;
     uint64_t link_events;    /* local interface carrier changes seen */
+    uint64_t seg6route_failures; /* kernel seg6 routes not put back after a link came up */
     uint64_t loop_iters;
     uint64_t rx_reads;       /* datagrams read from sockets (a UDP GRO read counts once) */
     uint64_t rx_gro_reads;   /* reads that held several packets, coalesced by UDP GRO */
