@@ -19,7 +19,9 @@ static void stats_pt(mrc_ep *ep, struct ctl *x)
     struct mrc_path_stats *ps = x->arg2;
     *st = ep->st;
     st->nsocks = ep->nsocks;
-    st->nsocks_seg6route = ep->nsocks_seg6route;
+    st->nsocks_seg6route = 0;
+    for (int i = 0; i < ep->nsocks; i++)
+        st->nsocks_seg6route += ep->socks[i]->mark != 0;
     st->nconns = 0;
     st->staged_bytes = 0;
     st->npaths = 0;

@@ -337,8 +337,8 @@ struct msock {
     int fd, plane, nsegs;
     bool no_gso;        /* the kernel refused UDP GSO here: one datagram per packet */
     bool gro;           /* plane socket with UDP GRO: a read may hold many packets */
-    bool seg6route;     /* route socket whose SRH a kernel seg6 route inserts (SO_MARK) */
-    uint32_t mark;      /* its mark: the table that holds the route */
+    uint32_t mark;      /* SO_MARK of a route socket whose SRH a kernel seg6 route
+                         * (table `mark`) inserts; 0: sticky IPV6_RTHDR or none */
     struct in6_addr segs[MRC_MAX_SEGS];
     struct txbatch batch;
 };
@@ -399,7 +399,6 @@ struct mrc_ep {
 
     /* progress thread */
     int nsocks;
-    int nsocks_seg6route;   /* of the route sockets, those on kernel seg6 routes */
     struct msock *socks[MRC_MAX_SOCKS];
     mrc_conn *conns[MRC_SLOTS];
     mrc_mr *mrs[MRC_SLOTS];
@@ -468,6 +467,10 @@ int conn_imm_pt(mrc_conn *c, uint32_t imm, uint64_t len);
 /* sock.c */
 int sock_open_plane(mrc_ep *ep, int plane);
 int sock_path_pt(mrc_ep *ep, int plane, int nsegs, const struct in6_addr *segs);
+/* The type-4 routing header of a path's segments (a route socket's sticky
+ * header, or what its seg6 route inserts); returns its length. */
+#define MRC_SRH_MAX (8 + 16 * MRC_MAX_SEGS)
+size_t sock_srh_build(uint8_t *srh, int nsegs, const struct in6_addr *segs);
 uint8_t *sock_tx_slot_pt(mrc_ep *ep, struct path *p, size_t hdrlen, const void *payload,
                          uint32_t len);
 int sock_flush_pt(mrc_ep *ep, struct msock *s);

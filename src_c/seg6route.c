@@ -119,19 +119,6 @@ static int nl_talk(int fd, struct nlmsghdr *nh, void *reply, size_t reply_len)
     }
 }
 
-/* The routing header the route inserts: our sticky header's layout, with
- * segments[0] a placeholder the kernel overwrites with the destination. */
-static size_t srh_build(uint8_t *srh, int nsegs, const struct in6_addr *segs)
-{
-    memset(srh, 0, 8);
-    srh[1] = (uint8_t)(2 * nsegs);
-    srh[2] = 4;
-    srh[3] = srh[4] = (uint8_t)(nsegs - 1);
-    for (int k = 0; k < nsegs; k++)
-        memcpy(srh + 8 + 16 * k, &segs[nsegs - 1 - k], 16);
-    return 8 + 16 * (size_t)nsegs;
-}
-
 static uint32_t seg6route_hash(int ifindex, int nsegs, const struct in6_addr *segs)
 {
     uint64_t h = 1469598103934665603ull; /* FNV-1a */
@@ -185,7 +172,7 @@ static int route_add(int fd, uint32_t table, int ifindex, const uint8_t *srh, si
     uint16_t et = LWTUNNEL_ENCAP_SEG6;
     nl_put(NH(&r), RTA_ENCAP_TYPE, &et, sizeof(et));
     struct rtattr *nest = nl_put(NH(&r), RTA_ENCAP | NLA_F_NESTED, NULL, 0);
-    uint8_t tun[sizeof(int) + 8 + 16 * MRC_MAX_SEGS];
+    uint8_t tun[sizeof(int) + MRC_SRH_MAX];
     int mode = SEG6_IPTUN_MODE_INLINE;
     memcpy(tun, &mode, sizeof(mode));
     memcpy(tun + sizeof(mode), srh, srhlen);
@@ -268,8 +255,8 @@ static int nl_open(void)
  * someone else's), else the kernel's error (EPERM, EOPNOTSUPP, ENETDOWN). */
 static int install(int fd, uint32_t m, int ifindex, int nsegs, const struct in6_addr *segs)
 {
-    uint8_t srh[8 + 16 * MRC_MAX_SEGS];
-    size_t srhlen = srh_build(srh, nsegs, segs);
+    uint8_t srh[MRC_SRH_MAX];
+    size_t srhlen = sock_srh_build(srh, nsegs, segs); /* the sticky header's bytes */
     int r = rule_add(fd, m);
     if (r == 0)
         r = throw_add(fd, m, &segs[0]);

@@ -94,11 +94,27 @@ err_close:
     return rc;
 }
 
+size_t sock_srh_build(uint8_t *srh, int nsegs, const struct in6_addr *segs)
+{
+    srh[0] = 0;                        /* next header: filled by the kernel */
+    srh[1] = (uint8_t)(2 * nsegs);     /* length in 8-octet units, minus the first */
+    srh[2] = 4;                        /* routing type 4: segment routing (RFC 8754) */
+    srh[3] = (uint8_t)(nsegs - 1);     /* segments left */
+    srh[4] = (uint8_t)(nsegs - 1);     /* last entry */
+    srh[5] = 0;                        /* flags */
+    srh[6] = srh[7] = 0;               /* tag */
+    /* segments[0]: a placeholder the kernel replaces with each packet's
+     * destination; the first connection's is as good as any. */
+    for (int k = 0; k < nsegs; k++)
+        memcpy(srh + 8 + 16 * k, &segs[nsegs - 1 - k], 16);
+    return 8 + 16 * (size_t)nsegs;
+}
+
 /*
  * The socket for an SRv6 route from a plane: a UDP/IPv6 socket bound to the
  * plane's address whose packets get the segment list as a type-4 routing
  * header, from a kernel seg6 route chosen by its mark or, failing that, as a
- * sticky IPV6_RTHDR (both write the header below).
+ * sticky IPV6_RTHDR (both the sock_srh_build header above).
  * Linux refuses a per-packet SRH in sendmsg ancillary data but accepts it per
  * socket; segments are stored in reverse order and the kernel overwrites
  * segments[0] (the last segment, where the packet ends) with the sendto()
@@ -130,18 +146,8 @@ int sock_path_pt(mrc_ep *ep, int plane, int nsegs, const struct in6_addr *segs)
     sock_bufs(fd, (int)ep->cfg.sockbuf);
     struct sockaddr_in6 a = *(struct sockaddr_in6 *)&pl->addr;
     a.sin6_port = 0;
-    uint8_t srh[8 + 16 * MRC_MAX_SEGS];
-    srh[0] = 0;                        /* next header: filled by the kernel */
-    srh[1] = (uint8_t)(2 * nsegs);     /* length in 8-octet units, minus the first */
-    srh[2] = 4;                        /* routing type 4: segment routing (RFC 8754) */
-    srh[3] = (uint8_t)(nsegs - 1);     /* segments left */
-    srh[4] = (uint8_t)(nsegs - 1);     /* last entry */
-    srh[5] = 0;                        /* flags */
-    srh[6] = srh[7] = 0;               /* tag */
-    /* segments[0]: a placeholder the kernel replaces with each sendto()
-     * destination; the first connection's is as good as any. */
-    for (int k = 0; k < nsegs; k++)
-        memcpy(srh + 8 + 16 * k, &segs[nsegs - 1 - k], 16);
+    uint8_t srh[MRC_SRH_MAX];
+    size_t srhlen = sock_srh_build(srh, nsegs, segs);
     int rc;
     if (bind(fd, (struct sockaddr *)&a, sizeof(a)) < 0) {
         rc = -errno;
@@ -159,8 +165,7 @@ int sock_path_pt(mrc_ep *ep, int plane, int nsegs, const struct in6_addr *segs)
     bool routed = !(how && strcmp(how, "socket") == 0) && !pl->loopback &&
                   seg6route_mark(pl->ifindex, nsegs, segs, &mark) == 0 &&
                   setsockopt(fd, SOL_SOCKET, SO_MARK, &mark, sizeof(mark)) == 0;
-    if (!routed &&
-        setsockopt(fd, IPPROTO_IPV6, IPV6_RTHDR, srh, (socklen_t)(8 + 16 * nsegs)) < 0) {
+    if (!routed && setsockopt(fd, IPPROTO_IPV6, IPV6_RTHDR, srh, (socklen_t)srhlen) < 0) {
         rc = -errno;
         close(fd);
         return rc;
@@ -170,9 +175,7 @@ int sock_path_pt(mrc_ep *ep, int plane, int nsegs, const struct in6_addr *segs)
         close(fd);
         return -ENOMEM;
     }
-    s->seg6route = routed;
-    s->mark = mark;
-    ep->nsocks_seg6route += routed;
+    s->mark = routed ? mark : 0;
     s->nsegs = nsegs;
     memcpy(s->segs, segs, sizeof(*segs) * (size_t)nsegs);
     return ep->nsocks - 1;
@@ -182,7 +185,7 @@ void sock_seg6route_restore_pt(mrc_ep *ep, int plane)
 {
     for (int i = ep->nplanes; i < ep->nsocks; i++) {
         struct msock *s = ep->socks[i];
-        if (s->seg6route && s->plane == plane &&
+        if (s->mark && s->plane == plane &&
             seg6route_restore(s->mark, ep->planes[plane].ifindex, s->nsegs, s->segs) != 0)
             ep->st.seg6route_failures++;
     }
