@@ -476,6 +476,29 @@ class ProcessGroupMRC(dist.ProcessGroup):
         call = self._a2a(send, recv, [t.numel() * t.element_size() for t in ins], rcounts)
         return self._issue("all_to_all", outs, st, [call], after=split_out)
 
+    def _root_list(
+        self,
+        root: int,
+        lists: list[list[torch.Tensor]],
+        like: torch.Tensor,
+        kind: str,
+        what: str,
+        other: str,
+    ) -> list[torch.Tensor]:
+        """The root's one list of size tensors of gather/scatter, each checked against
+        this rank's own tensor; empty on the other ranks."""
+        if self._rank != root:
+            return []
+        if len(lists) != 1 or len(lists[0]) != self._size:
+            raise TensorError(
+                f"mrc backend rank {self._rank}: {kind} root needs one {what} list of "
+                f"{self._size} tensors, got lists of {[len(x) for x in lists]}"
+            )
+        for i, x in enumerate(lists[0]):
+            check_tensor(x, self._rank, f"{kind} {what} {i}")
+            same_shape(x, like, self._rank, f"{kind} {what} {i} vs {other}")
+        return lists[0]
+
     def gather(
         self,
         output_tensors: list[list[torch.Tensor]],
@@ -486,17 +509,7 @@ class ProcessGroupMRC(dist.ProcessGroup):
         root = self._root(_opt(opts, "rootRank", 0), "gather")
         t = one_tensor(input_tensors, self._rank, "gather input")
         nb = t.numel() * t.element_size()
-        outs: list[torch.Tensor] = []
-        if self._rank == root:
-            if len(output_tensors) != 1 or len(output_tensors[0]) != self._size:
-                raise TensorError(
-                    f"mrc backend rank {self._rank}: gather root needs one output list of "
-                    f"{self._size} tensors, got lists of {[len(o) for o in output_tensors]}"
-                )
-            outs = output_tensors[0]
-            for i, o in enumerate(outs):
-                check_tensor(o, self._rank, f"gather output {i}")
-                same_shape(o, t, self._rank, f"gather output {i} vs input")
+        outs = self._root_list(root, output_tensors, t, "gather", "output", "input")
         st = Staged()
         send = byte_view_t(t)
         recv = torch.empty((nb * self._size if outs else 0,), dtype=torch.uint8)
@@ -520,17 +533,7 @@ class ProcessGroupMRC(dist.ProcessGroup):
         root = self._root(_opt(opts, "rootRank", 0), "scatter")
         o = one_tensor(output_tensors, self._rank, "scatter output")
         nb = o.numel() * o.element_size()
-        ins: list[torch.Tensor] = []
-        if self._rank == root:
-            if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
-                raise TensorError(
-                    f"mrc backend rank {self._rank}: scatter root needs one input list of "
-                    f"{self._size} tensors, got lists of {[len(i) for i in input_tensors]}"
-                )
-            ins = input_tensors[0]
-            for i, t in enumerate(ins):
-                check_tensor(t, self._rank, f"scatter input {i}")
-                same_shape(t, o, self._rank, f"scatter input {i} vs output")
+        ins = self._root_list(root, input_tensors, o, "scatter", "input", "output")
         st = Staged()
         send = (
             torch.cat([byte_view_t(t) for t in ins]) if ins else torch.empty(0, dtype=torch.uint8)
