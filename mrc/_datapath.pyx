@@ -526,6 +526,7 @@ cdef class Endpoint:
                 "rnr_naks": st.rnr_naks, "staged_bytes": st.staged_bytes,
                 "staged_msgs": st.staged_msgs, "retx": st.retx, "acks_tx": st.acks_tx,
                 "acks_rx": st.acks_rx, "lost_rack": st.lost_rack, "lost_rto": st.lost_rto,
+                "spurious_rto": st.spurious_rto,
                 "lost_flush": st.lost_flush, "probe_timeouts": st.probe_timeouts,
                 "link_events": st.link_events,
                 "seg6route_failures": st.seg6route_failures,

@@ -265,6 +265,7 @@ void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
     /* Delay of the echoed path; a timestamp from the future or from long ago
      * is forged or stale, and not a sample. */
     if (p && h->ts <= now && now - h->ts < 10000000000ull) {
+        path_on_late_pt(c, p, h->ts, now);
         path_on_rtt_pt(p, now - h->ts, now);
         if (h->ts > p->delivered_ts)
             p->delivered_ts = h->ts;

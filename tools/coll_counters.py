@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FABRIC = ROOT / "routing" / "4host-4plane-1g.toml"
-KEYS = ("lost_rto", "lost_rack", "probe_timeouts", "rnr_naks", "staged_msgs", "tx_pkts", "tx_sends")
+KEYS = ("lost_rto", "spurious_rto", "lost_rack", "probe_timeouts", "rnr_naks", "staged_msgs", "tx_pkts", "tx_sends")
 
 
 def counters(stats: dict) -> dict:
@@ -56,6 +56,8 @@ def rank_main(sizes: list[int], iters: int) -> None:
             "rank": comm.rank,
             "bytes": nbytes,
             "median_us": round(med * 1e6, 1),
+            "max_us": round(max(times) * 1e6, 1),
+            "slowest_op": int(np.argmax(times)),
             "busbw_gbps": round(nbytes * 2 * (comm.size - 1) / comm.size / med * 8e-9, 3),
             **{k: after[k] - before[k] for k in after},
         }

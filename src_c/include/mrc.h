@@ -448,6 +448,7 @@ struct mrc_ep_stats {
     uint64_t staged_msgs;    /* SENDs that went through staging (one extra copy each) */
     uint64_t lost_rack;      /* declared lost: a later packet on its path arrived */
     uint64_t lost_rto;       /* declared lost: retransmission timeout */
+    uint64_t spurious_rto;   /* timeouts found spurious: the path delivered after it */
     uint64_t lost_flush;     /* declared lost: its path failed or timed out */
     uint64_t probe_timeouts;
     uint64_t link_events;    /* local interface carrier changes seen */

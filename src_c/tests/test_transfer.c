@@ -15,6 +15,7 @@
 #include "check.h"
 #include "connect.h"
 #include "mrc.h"
+#include "mrc_testing.h"
 
 #define NPLANES 4
 
@@ -227,6 +228,50 @@ static void test_close_in_flight(void)
     free(dst);
 }
 
+/* The receiver's ACKs are held (its sockets refuse to send) until the sender
+ * has timed packets out: the data had arrived, so those timeouts are found
+ * spurious once the ACKs go, and no path stays suspect or failed for them. */
+static void test_slow_acks(void)
+{
+    struct pair p;
+    pair_up(&p);
+    size_t size = 1 << 20;
+    uint8_t *src = malloc(size), *dst = calloc(size, 1);
+    fill(src, size, 99);
+    mrc_mr *ms, *md;
+    CHECK_RC(mrc_mr_reg(p.a, src, size, 0, &ms));
+    CHECK_RC(mrc_mr_reg(p.b, dst, size, MRC_ACCESS_REMOTE_WRITE, &md));
+    CHECK_RC(mrc_ep_testing_tx_stall(p.b, 1));
+    mrc_op *op;
+    CHECK_RC(mrc_post_write(p.ca, ms, 0, size, mrc_mr_key(md), 0, 0, 0, &op));
+    struct mrc_ep_stats st;
+    struct mrc_path_stats ps[NPLANES];
+    for (int i = 0; i < 2000; i++) { /* poll: the sender's RTO is >= 5 ms */
+        CHECK_RC(mrc_ep_get_stats(p.a, &st, NULL, 0));
+        if (st.lost_rto)
+            break;
+        usleep(1000);
+    }
+    CHECK(st.lost_rto > 0);
+    CHECK_RC(mrc_ep_testing_tx_stall(p.b, 0));
+    CHECK(wait_status(op) == 0);
+    CHECK(memcmp(src, dst, size) == 0);
+    CHECK_RC(mrc_ep_get_stats(p.a, &st, ps, NPLANES));
+    CHECK(st.spurious_rto > 0);
+    int good = 0;
+    for (int i = 0; i < NPLANES; i++)
+        good += ps[i].state == MRC_PATH_GOOD;
+    CHECK(good > 0);
+    if (getenv("MRC_TEST_VERBOSE"))
+        fprintf(stderr, "slow acks: lost_rto %llu spurious %llu good paths %d\n",
+                (unsigned long long)st.lost_rto, (unsigned long long)st.spurious_rto, good);
+    mrc_mr_dereg(ms);
+    mrc_mr_dereg(md);
+    pair_down(&p);
+    free(src);
+    free(dst);
+}
+
 int main(void)
 {
     struct pair p;
@@ -263,6 +308,7 @@ int main(void)
     pair_down(&p);
     test_bad_key();
     test_close_in_flight();
+    test_slow_acks();
     DONE("test_transfer");
     return 0;
 }
