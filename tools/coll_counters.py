@@ -23,7 +23,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FABRIC = ROOT / "routing" / "4host-4plane-1g.toml"
-KEYS = ("lost_rto", "spurious_rto", "lost_rack", "probe_timeouts", "rnr_naks", "staged_msgs", "tx_pkts", "tx_sends")
+KEYS = (
+    "lost_rto",
+    "spurious_rto",
+    "lost_rack",
+    "probe_timeouts",
+    "rnr_naks",
+    "staged_msgs",
+    "tx_pkts",
+    "tx_sends",
+)
 
 
 def counters(stats: dict) -> dict:
