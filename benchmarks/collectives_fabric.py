@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import click
-from common import RESULTS, save
+from common import RESULTS, load_note, record_load, save
 from fabric_coll import (
     FAB_1G,
     Run,
@@ -146,6 +146,7 @@ def ratios(
 @click.command()
 @click.option("--quick", is_flag=True, help="8 B .. 4 MiB, 2 iterations: a check that it runs.")
 def main(quick: bool) -> None:
+    record_load()
     versions = setup_peers()
     click.echo(f"peers: {versions}")
     res: dict[str, dict[str, Any]] = {}
@@ -182,7 +183,7 @@ def main(quick: bool) -> None:
             "line_gbps": LINE_GBPS,
             "peers": versions,
             "mpi_mca": dict(YIELD),
-            "note": "machine shared with other work when measured unless said otherwise",
+            "note": load_note(),
             "all_reduce": res,
             "other_collectives": other,
             "summary": summary,

@@ -35,6 +35,40 @@ def ensure_tool(cmd: str, package: str) -> str:
     return path
 
 
+_BUSY_BEFORE: float | None = None
+IDLE_BELOW = 0.1  # busy cores in the second before a run: under this, an idle machine
+
+
+def busy_cores(seconds: float = 1.0) -> float:
+    """Cores busy on the whole machine over `seconds` (/proc/stat, a measurement
+    interval): taken before a run, it says whether its numbers come from an otherwise
+    idle machine, as committed numbers must."""
+    t0, i0 = CpuMeter._stat()
+    time.sleep(seconds)
+    t1, i1 = CpuMeter._stat()
+    jiffies = t1 - t0
+    return round((jiffies - (i1 - i0)) / jiffies * (os.cpu_count() or 1), 3) if jiffies else 0.0
+
+
+def record_load() -> float:
+    """Call first in a benchmark's main: the machine's load before the run goes into
+    every result it saves (machine.busy_cores_before_run, machine.idle)."""
+    global _BUSY_BEFORE
+    _BUSY_BEFORE = busy_cores()
+    if _BUSY_BEFORE >= IDLE_BELOW:
+        print(f"note: {_BUSY_BEFORE:.2f} cores busy before the run: the machine is not idle")
+    return _BUSY_BEFORE
+
+
+def load_note() -> str:
+    """The results' note on the machine's load, from record_load()'s measurement."""
+    if _BUSY_BEFORE is None:
+        return "machine load before the run not measured"
+    if _BUSY_BEFORE < IDLE_BELOW:
+        return f"idle machine ({_BUSY_BEFORE:.2f} cores busy in the second before the run)"
+    return f"machine shared with other work ({_BUSY_BEFORE:.2f} cores busy before the run)"
+
+
 def machine() -> dict[str, Any]:
     return {
         "host": platform.node(),
@@ -42,6 +76,8 @@ def machine() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "busy_cores_before_run": _BUSY_BEFORE,
+        "idle": None if _BUSY_BEFORE is None else _BUSY_BEFORE < IDLE_BELOW,
     }
 
 

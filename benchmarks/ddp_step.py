@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, save
+from common import RESULTS, record_load, save
 
 from mrc.fabric.testing import RunningFabric, fabric_up
 
@@ -116,6 +116,7 @@ def launch(
 
 
 def main() -> None:
+    record_load()
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--fail-at", type=int, default=50)

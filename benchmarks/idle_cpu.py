@@ -22,7 +22,7 @@ from pathlib import Path
 
 import click
 import numpy as np
-from common import RESULTS, save
+from common import RESULTS, record_load, save
 
 import mrc
 
@@ -143,6 +143,7 @@ def plot(data: dict) -> None:
     help="conditions of the run, stored in the JSON",
 )
 def main(seconds: float, label: str, note: str) -> None:
+    record_load()
     cases = [(1, False), (256, False), (256, True)]
     rows = []
     for n, recv in cases:

@@ -18,7 +18,7 @@ import time
 
 import click
 import numpy as np
-from common import RESULTS, ensure_tool, save
+from common import RESULTS, ensure_tool, record_load, save
 
 import mrc
 
@@ -136,6 +136,7 @@ def iperf3_udp(nplanes: int, dgram: int, seconds: float) -> dict[str, float]:
     help="mrc payload per packet (iperf3 uses the same datagram size).",
 )
 def main(seconds: float, mss: int) -> None:
+    record_load()
     rows = []
     for nplanes in (1, 4):
         for msg in (64 * 1024, MIB):

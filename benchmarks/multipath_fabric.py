@@ -28,7 +28,7 @@ from typing import Any
 
 import click
 import numpy as np
-from common import RESULTS, ensure_tool, iperf3_tcp_streams, save
+from common import RESULTS, ensure_tool, iperf3_tcp_streams, record_load, save
 
 from mrc.fabric.testing import fabric_up
 from mrc.routing import host_planes
@@ -256,6 +256,7 @@ def iperf3_tcp_all_planes(seconds: float) -> dict[str, Any]:
 @click.command()
 @click.option("--size-mib", default=1024, show_default=True, help="Bytes per goodput run.")
 def main(size_mib: int) -> None:
+    record_load()
     size = size_mib << 20
     rows = [
         goodput_case("4 x 1 Gb/s", FAB_1G, 4.0, size),

@@ -30,7 +30,7 @@ import threading
 from typing import Any
 
 import click
-from common import RESULTS, save
+from common import RESULTS, load_note, record_load, save
 from fabric_coll import FAB_1G, Run, run_gloo, run_mpi, run_mrc, setup_peers, worker_args
 
 from mrc.collectives import model
@@ -281,6 +281,7 @@ def model_at_scale() -> list[dict[str, Any]]:
 @click.command()
 @click.option("--quick", is_flag=True, help="4 MiB, 2 iterations: a check that it runs.")
 def main(quick: bool) -> None:
+    record_load()
     versions = setup_peers()
     sizes = [4 << 20] if quick else [64 << 20, 256 << 20]
     iters = 2 if quick else 5
@@ -315,7 +316,7 @@ def main(quick: bool) -> None:
             "h1's plane(s) down",
             "quick": quick,
             "peers": versions,
-            "note": "machine shared with other work when measured unless said otherwise",
+            "note": load_note(),
             "schedules": sched,
             "mid_loop": loops,
             "mid_loop_check": loop_check,

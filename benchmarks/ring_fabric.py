@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from common import RESULTS, CpuMeter, iperf3_tcp_streams, save
+from common import RESULTS, CpuMeter, iperf3_tcp_streams, record_load, save
 
 from mrc.fabric.testing import fabric_up
 from mrc.routing import host_planes
@@ -184,6 +184,7 @@ def summarise(name: str, run: dict[str, Any]) -> dict[str, Any]:
 )
 @click.option("--note", default="", help="Stored with the results (e.g. 'loaded machine: ...').")
 def main(duration: float, size: int, levers: bool, note: str) -> None:
+    record_load()
     rows = []
     with fabric_up(FABRIC, prefix="bmr") as fab:
         for name, env in LEVERS if levers else LEVERS[:1]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from common import RESULTS, save
+from common import RESULTS, record_load, save
 
 from mrc.fabric.testing import RunningFabric, fabric_up
 from mrc.telemetry import fetch
@@ -183,6 +183,7 @@ def plot(runs: dict[str, dict[str, Any]], row: dict[str, Any]) -> Path:
 )
 @click.option("--hold", is_flag=True, help="On a stall, keep both processes for a debugger.")
 def main(gib: float, baseline_gib: float, loss: float, stall: float, hold: bool) -> None:
+    record_load()
     runs: dict[str, dict[str, Any]] = {}
     try:
         with fabric_up(FABRIC, prefix="soak") as fab:

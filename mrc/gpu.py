@@ -52,6 +52,10 @@ class Memory:
     device: int = -1
 
 
+_HOST_MEMORY = Memory(HOST)
+_HOST_TYPES = frozenset({np.ndarray, bytearray, bytes, memoryview})
+
+
 def _is_torch(obj: Any) -> bool:
     return type(obj).__module__.startswith("torch")
 
@@ -59,6 +63,8 @@ def _is_torch(obj: Any) -> bool:
 def memory_of(obj: Any) -> Memory:
     """The memory kind of a buffer: torch tensors, ``__cuda_array_interface__``,
     ``__dlpack_device__``, else host memory (the buffer protocol)."""
+    if type(obj) in _HOST_TYPES:
+        return _HOST_MEMORY  # the common case, asked on every collective call
     if _is_torch(obj) and hasattr(obj, "device"):
         dev = obj.device
         if dev.type == "cuda":

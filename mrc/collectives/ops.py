@@ -21,6 +21,7 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -129,16 +130,27 @@ def as_buffer(obj: Any, dtype: str | None, what: str, writable: bool) -> _Buf:
         raise UsageError(f"{what}: the array must be C-contiguous (np.ascontiguousarray)")
     if writable and not arr.flags.writeable:
         raise UsageError(f"{what}: the buffer is read-only, and this call writes into it")
-    name = dtype or forced or arr.dtype.name
+    name = dtype or forced or _dtype_name(arr.dtype)
     if name == "bfloat16":
         if arr.dtype.itemsize != 2:
             raise UsageError(f"{what}: bfloat16 needs 2-byte storage (uint16), got {arr.dtype}")
     elif name not in DTYPES:
         raise UsageError(f"{what}: dtype {name} is not one of {', '.join(DTYPES)}")
-    elif dtype is not None and arr.dtype.name != dtype:
+    elif dtype is not None and _dtype_name(arr.dtype) != dtype:
         raise UsageError(f"{what}: dtype={dtype} given for a {arr.dtype} array")
     esize = 2 if name == "bfloat16" else np.dtype(name).itemsize
     return _Buf(arr if arr.size else None, name, arr.size, esize)
+
+
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _dtype_name(dt: np.dtype) -> str:
+    """dt.name, remembered: numpy computes it in Python on every access."""
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = dt.name
+    return name
 
 
 def _op(op: str) -> int:
@@ -148,6 +160,7 @@ def _op(op: str) -> int:
     return code
 
 
+@lru_cache(maxsize=1024, typed=True)
 def signature(*parts: object) -> int:
     """19 bits naming the call (kind, count, dtype, op, root...): every rank
     computes the same value from the same arguments."""
