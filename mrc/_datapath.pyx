@@ -1441,9 +1441,10 @@ cdef class CollExecutor:
         """Runs one schedule: (0, -1) or (error code, the peer involved or -1).
         send/recv: buffer-protocol objects or None (recv must be writable; they
         may be the same object)."""
-        cdef const unsigned char[::1] steps = packed.steps.view("u1").reshape(-1)
-        cdef const unsigned char[::1] refs = packed.refs.view("u1").reshape(-1)
-        cdef const unsigned char[::1] deps = packed.deps.view("u1").reshape(-1)
+        raw = packed.raw  # the arrays as bytes (schedule.Packed)
+        cdef const unsigned char[::1] steps = raw[0]
+        cdef const unsigned char[::1] refs = raw[1]
+        cdef const unsigned char[::1] deps = raw[2]
         cdef c.mrc_coll_plan plan
         cdef c.mrc_coll_args a
         cdef Py_buffer sv, rv

@@ -98,6 +98,11 @@ class Packed:
     nrings: int
     name: str = ""
     info: dict = field(default_factory=dict)  # e.g. all_reduce's share bounds
+    raw: tuple[np.ndarray, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # The three arrays as bytes, made once: the executor takes them on every call.
+        self.raw = tuple(a.view("u1").reshape(-1) for a in (self.steps, self.refs, self.deps))
 
 
 @dataclass
