@@ -13,6 +13,11 @@ Every output line is prefixed "[r] ". When a rank fails, the others get --settle
 (2) to end by themselves (their communicators raise at once, naming it), then are stopped
 (SIGTERM, then SIGKILL), its last lines and exit code are shown, and mrc-run exits with the first
 failure's code (128 + signal for a rank killed by a signal). Ctrl-C stops every rank.
+
+--bind-to core (Open MPI's name) pins rank r, and every thread it starts, to the r-th
+equal block of this machine's cores (wrapping when there are more ranks than cores): its
+caller and progress threads then hand work over on one core instead of waking each other
+across cores.
 """
 
 from __future__ import annotations
@@ -52,6 +57,17 @@ class Rank:
         default_factory=lambda: collections.deque(maxlen=TAIL_LINES)
     )
     reader: threading.Thread | None = None
+    cpus: set[int] | None = None  # --bind-to core: the cores it runs on
+
+
+def core_blocks(n: int, cpus: Sequence[int] | None = None) -> list[set[int]]:
+    """Rank r's cores for --bind-to core: the r-th of n equal blocks of the cores this
+    process may use, one core each (wrapping) when there are more ranks than cores."""
+    avail = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if n >= len(avail):
+        return [{avail[r % len(avail)]} for r in range(n)]
+    k = len(avail) // n
+    return [set(avail[r * k : (r + 1) * k]) for r in range(n)]
 
 
 def free_ports(n: int) -> list[int]:
@@ -197,15 +213,25 @@ class Launcher:
 
     def _start(self, rk: Rank) -> None:
         # Its own session: a rank's children are stopped with it, and the terminal's Ctrl-C
-        # reaches mrc-run only, which stops every rank the same way.
-        rk.proc = subprocess.Popen(
-            rk.argv,
-            env=rk.env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        # reaches mrc-run only, which stops every rank the same way. A bound rank inherits
+        # the mask of the thread that forks it (Linux affinity is per thread, kept across
+        # exec), so this thread takes the rank's mask for the fork and then its own back:
+        # exact, where setting the child's after the start would race its first threads.
+        own = os.sched_getaffinity(0) if rk.cpus else None
+        if rk.cpus:
+            os.sched_setaffinity(0, rk.cpus)
+        try:
+            rk.proc = subprocess.Popen(
+                rk.argv,
+                env=rk.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        finally:
+            if own is not None:
+                os.sched_setaffinity(0, own)
         rk.reader = threading.Thread(target=self._pump, args=(rk,), daemon=True)
         rk.reader.start()
 
@@ -320,6 +346,13 @@ class Launcher:
     show_default=True,
     help="After a failure, seconds the others get to end by themselves before SIGTERM.",
 )
+@click.option(
+    "--bind-to",
+    type=click.Choice(["none", "core"]),
+    default="none",
+    show_default=True,
+    help="core: rank r runs on the r-th equal block of this machine's cores.",
+)
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def main(
     n: int,
@@ -330,6 +363,7 @@ def main(
     planes: str | None,
     time_limit: float,
     settle: float,
+    bind_to: str,
     cmd: tuple[str, ...],
 ) -> None:
     """Start N ranks of CMD with the environment mrc.Communicator.from_env() reads."""
@@ -338,6 +372,13 @@ def main(
         ranks = plan(n, cmd, fabric, name, host_list, timeout, planes)
     except MrcError as e:
         raise click.ClickException(str(e)) from None
+    if bind_to == "core":
+        for rk, cpus in zip(ranks, core_blocks(n)):
+            rk.cpus = cpus
+        click.echo(
+            "mrc-run: bound to cores: "
+            + " ".join(f"{rk.rank}:{','.join(map(str, sorted(rk.cpus or ())))}" for rk in ranks)
+        )
     sys.exit(Launcher(ranks, time_limit=time_limit, settle=settle).run())
 
 

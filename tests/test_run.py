@@ -18,7 +18,7 @@ import pytest
 
 import mrc
 from mrc.fabric.testing import fabric_up
-from mrc.run import plan
+from mrc.run import core_blocks, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_COLLECTIVES = hasattr(mrc.Communicator, "all_reduce")
@@ -53,6 +53,36 @@ def test_prefixes_and_environment() -> None:
     # One run: the same rendezvous port and run id for every rank.
     for key in ("MRC_PORT", "MRC_RUN_ID"):
         assert len({x.split()[-1] for x in lines if f"] {key} " in x}) == 1
+
+
+def test_core_blocks() -> None:
+    assert core_blocks(2, [0, 1, 2, 3]) == [{0, 1}, {2, 3}]
+    assert core_blocks(3, range(8)) == [{0, 1}, {2, 3}, {4, 5}]
+    assert core_blocks(3, [4, 5]) == [{4}, {5}, {4}]  # more ranks than cores: wrap
+    assert core_blocks(1, [0, 1]) == [{0, 1}]
+
+
+def test_bind_to_core_pins_each_rank_and_the_threads_it_starts() -> None:
+    code = (
+        "import os, threading\n"
+        "seen = []\n"
+        "t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))\n"
+        "t.start(); t.join()\n"
+        "print(sorted(os.sched_getaffinity(0)), seen[0])\n"
+    )
+    res = mrc_run("-n", "3", "--bind-to", "core", "--", *py(code))
+    assert res.returncode == 0, res.stdout + res.stderr
+    want = core_blocks(3)
+    assert res.stdout.startswith("mrc-run: bound to cores: "), res.stdout
+    for r in range(3):
+        (line,) = [x for x in res.stdout.splitlines() if x.startswith(f"[{r}] ")]
+        main, thread = line[len(f"[{r}] ") :].split("] [")
+        assert main + "]" == str(sorted(want[r])) and "[" + thread == str(sorted(want[r])), line
+    free = mrc_run("-n", "2", "--", *py("import os; print(sorted(os.sched_getaffinity(0)))"))
+    every = str(sorted(os.sched_getaffinity(0)))
+    assert [x.split(" ", 1)[1] for x in free.stdout.splitlines()] == [every, every]
+    bad = mrc_run("-n", "2", "--bind-to", "socket", "--", *py("pass"))
+    assert bad.returncode == 2 and "socket" in bad.stderr
 
 
 def test_first_failure_code_names_the_rank_and_stops_the_others() -> None:
