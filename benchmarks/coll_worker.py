@@ -19,6 +19,10 @@ exact sum. Rank 0 prints one JSON line per size.
 Loop (--loop N): N all_reduces of one size, rank 0 prints one JSON line per operation
 (its time, mrc's schedule, the result's hash) as soon as it ends, so that a controller can
 pull a cable mid-loop; --random uses random floats (the hash then shows the bits).
+
+MRC_BENCH_BIND=core in the environment (collectives_fabric.py --bind core): every backend's
+rank r is bound, before any import can start a thread, to the cores mrc-run --bind-to core
+gives rank r (mrc.run.core_blocks), so that all three run under the same binding.
 """
 
 from __future__ import annotations
@@ -31,11 +35,25 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import click
-import numpy as np
-from common import CpuMeter
 
-from mrc.perf.coll import busbw_factor
+def _bind() -> None:
+    if os.environ.get("MRC_BENCH_BIND") != "core":
+        return
+    env = os.environ
+    rank = int(env.get("RANK") or env.get("OMPI_COMM_WORLD_RANK") or 0)
+    n = int(env.get("WORLD_SIZE") or env.get("OMPI_COMM_WORLD_SIZE") or 1)
+    cpus = sorted(os.sched_getaffinity(0))  # mrc.run.core_blocks, without its imports
+    k = len(cpus) // n if n < len(cpus) else 0
+    os.sched_setaffinity(0, set(cpus[rank * k : (rank + 1) * k]) if k else {cpus[rank % len(cpus)]})
+
+
+_bind()
+
+import click  # noqa: E402 (after the binding: imports may start threads)
+import numpy as np  # noqa: E402
+from common import CpuMeter  # noqa: E402
+
+from mrc.perf.coll import busbw_factor  # noqa: E402
 
 COLLS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 

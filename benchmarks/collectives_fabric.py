@@ -18,13 +18,17 @@ polling otherwise starves the ranks that have work (8 B took 45 ms instead of 0.
 
     python benchmarks/collectives_fabric.py            # full: about 10 minutes idle (estimated)
     python benchmarks/collectives_fabric.py --quick    # 8 B .. 4 MiB (6 sizes), 2 iterations
+    python benchmarks/collectives_fabric.py --bind core  # every rank of every framework bound
+                                                         # as mrc-run --bind-to core binds it
 
-Writes results/collectives_fabric.json and .png (--quick: collectives_fabric-quick.*,
-not for committing: a check that everything runs).
+
+Writes results/collectives_fabric.json and .png (--bind core: collectives_fabric-bound.*;
+--quick: collectives_fabric-quick.*, not for committing: a check that everything runs).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import click
@@ -145,8 +149,16 @@ def ratios(
 
 @click.command()
 @click.option("--quick", is_flag=True, help="8 B .. 4 MiB, 2 iterations: a check that it runs.")
-def main(quick: bool) -> None:
+@click.option(
+    "--bind",
+    type=click.Choice(["none", "core"]),
+    default="none",
+    show_default=True,
+    help="core: every rank (mrc, Gloo, Open MPI alike) bound as mrc-run --bind-to core binds it.",
+)
+def main(quick: bool, bind: str) -> None:
     record_load()
+    os.environ["MRC_BENCH_BIND"] = bind  # read by coll_worker.py in every rank
     versions = setup_peers()
     click.echo(f"peers: {versions}")
     res: dict[str, dict[str, Any]] = {}
@@ -172,7 +184,7 @@ def main(quick: bool) -> None:
     summary = ratios(res, big, mid, 8)
     summary["mrc_planes"] = ratios(res, big, mid, 8, "mrc_planes")
     click.echo(f"ratios: {summary}")
-    name = "collectives_fabric-quick" if quick else "collectives_fabric"
+    name = "collectives_fabric" + ("-bound" if bind == "core" else "") + ("-quick" if quick else "")
     out = save(
         name,
         {
@@ -183,6 +195,7 @@ def main(quick: bool) -> None:
             "line_gbps": LINE_GBPS,
             "peers": versions,
             "mpi_mca": dict(YIELD),
+            "binding": bind,
             "note": load_note(),
             "all_reduce": res,
             "other_collectives": other,

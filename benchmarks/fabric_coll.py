@@ -188,10 +188,10 @@ def run_mpi(
         mca += [("coll_tuned_use_dynamic_rules", "1"), ("coll_tuned_allreduce_algorithm", "4")]
     mca += list(extra_mca)
     argv = ["ip", "netns", "exec", fab.ns("h0"), mpirun, "--allow-run-as-root", "-n", "4"]
-    argv += ["--host", hosts, "--map-by", "node", "-x", "OMP_NUM_THREADS"]
+    argv += ["--host", hosts, "--map-by", "node", "-x", "OMP_NUM_THREADS", "-x", "MRC_BENCH_BIND"]
     for k, v in mca:
         argv += ["--mca", k, v]
-    env = {"OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "1", "MRC_BENCH_BIND": os.environ.get("MRC_BENCH_BIND", "none")}
     run = stream([*argv, PY, args[0], "mpi", *args[1:]], env, **kw)
     if run.status == "error" and not run.rows:
         # Now and then on the loaded machine a btl tcp connect at start-up fails ("usually
