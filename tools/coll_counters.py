@@ -32,6 +32,9 @@ KEYS = (
     "staged_msgs",
     "tx_pkts",
     "tx_sends",
+    "acks_tx",
+    "rx_pkts",
+    "rx_reads",
 )
 
 
