@@ -373,7 +373,7 @@ def main(
     except MrcError as e:
         raise click.ClickException(str(e)) from None
     if bind_to == "core":
-        for rk, cpus in zip(ranks, core_blocks(n)):
+        for rk, cpus in zip(ranks, core_blocks(n), strict=True):
             rk.cpus = cpus
         click.echo(
             "mrc-run: bound to cores: "
