@@ -197,7 +197,7 @@ struct path {
     int consec_loss, probe_ok;
     uint64_t loss_event_ns; /* when the last loss that counted was detected */
     /* The last timeout that counted: when, and the send time of the packet
-     * that timed out (path_on_late_pt: was it spurious?). 0: none open. */
+     * that timed out (path_on_delivered_pt: was it spurious?). 0: none open. */
     uint64_t rto_loss_ns, rto_loss_sent_ns;
     uint32_t probe_seq;
     uint64_t probe_sent_ns, last_tx_ns, last_rx_ns;
@@ -513,7 +513,7 @@ void path_on_probe_ack_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t now
 void path_timers_pt(mrc_conn *c, uint64_t now, bool busy);
 uint64_t path_rto(const struct path *p);
 uint64_t path_quick_rto(const struct path *p);
-void path_on_late_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t now);
+void path_on_delivered_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t now);
 int path_send_ctrl_pt(mrc_conn *c, struct path *p, int id, int type, int flags, uint32_t psn,
                       uint64_t ts);
 void path_init(struct path *p, uint32_t mss);

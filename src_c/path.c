@@ -6,7 +6,7 @@
  *   GOOD --loss without queueing delay--> SUSPECT --probe answered--> GOOD
  *   GOOD/SUSPECT --repeated loss, RTO, lost probe--> FAILED
  *   FAILED --probe answered--> PROBING --MRC_PROBES_TO_GOOD answers--> GOOD
- *   SUSPECT/FAILED from an RTO --a later packet delivered (path_on_late_pt)--> GOOD
+ *   SUSPECT/FAILED from an RTO --a later packet delivered (path_on_delivered_pt)--> GOOD
  *
  * Congestion: a window per path, NSCC-like: grow while the path's delay
  * stays within a target above its base RTT, shrink in proportion to the
@@ -270,13 +270,14 @@ void path_on_loss_pt(mrc_conn *c, struct path *p, bool timeout, uint64_t sent_ns
 }
 
 /*
- * An ACK on p for a packet p carried that was sent at ts. After a timeout on
- * p, a packet sent no earlier than the one that timed out, and before the
- * timeout fired, getting through says p was slow, not lossy: a path is FIFO,
- * so the "lost" packet went ahead of it. The state that timeout put p in is
- * undone (suspect or failed: no new data, probes to heal) and the timeout is
- * counted as spurious. A dead path delivers nothing sent after its lost
- * packet, so a real failure never looks like this.
+ * What an ACK on p for a packet p carried, sent at ts, says about p's state.
+ * A suspect path that delivered a packet sent after it became suspect is good.
+ * And after a timeout on p, a packet sent no earlier than the one that timed
+ * out, and before the timeout fired, getting through says p was slow, not
+ * lossy: a path is FIFO, so the "lost" packet went ahead of it. The state that
+ * timeout put p in is undone (suspect or failed: no new data, probes to heal)
+ * and the timeout is counted as spurious. A dead path delivers nothing sent
+ * after its lost packet, so a real failure never looks like this.
  *
  * On a host whose cores are busy (two cores forwarding four ranks' fabric)
  * scheduling delay is most of the RTT and most timeouts are of this kind
@@ -286,14 +287,16 @@ void path_on_loss_pt(mrc_conn *c, struct path *p, bool timeout, uint64_t sent_ns
  * noise of that machine; the retransmission on another path sometimes beats
  * the slow original), so the 1 ms floor and its failover gap stay.
  */
-void path_on_late_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t now)
+void path_on_delivered_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t now)
 {
-    if (!p->rto_loss_ns || ts < p->rto_loss_sent_ns || ts >= p->rto_loss_ns || ts > now)
-        return;
-    c->ep->st.spurious_rto++;
-    if (p->state != MRC_PATH_GOOD && p->state_since == p->rto_loss_ns)
+    if (p->rto_loss_ns && ts >= p->rto_loss_sent_ns && ts < p->rto_loss_ns) {
+        c->ep->st.spurious_rto++;
+        if (p->state != MRC_PATH_GOOD && p->state_since == p->rto_loss_ns)
+            path_set_state_pt(c, p, MRC_PATH_GOOD, now);
+        p->rto_loss_ns = 0; /* one verdict per timeout */
+    }
+    if (p->state == MRC_PATH_SUSPECT && ts > p->state_since)
         path_set_state_pt(c, p, MRC_PATH_GOOD, now);
-    p->rto_loss_ns = 0; /* one verdict per timeout */
 }
 
 void path_on_probe_ack_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t now)

@@ -265,14 +265,12 @@ void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
     /* Delay of the echoed path; a timestamp from the future or from long ago
      * is forged or stale, and not a sample. */
     if (p && h->ts <= now && now - h->ts < 10000000000ull) {
-        path_on_late_pt(c, p, h->ts, now);
         path_on_rtt_pt(p, now - h->ts, now);
         if (h->ts > p->delivered_ts)
             p->delivered_ts = h->ts;
         p->last_rx_ns = now;
         p->consec_loss = 0;
-        if (p->state == MRC_PATH_SUSPECT && h->ts > p->state_since)
-            path_set_state_pt(c, p, MRC_PATH_GOOD, now);
+        path_on_delivered_pt(c, p, h->ts, now);
     }
 
     /* RACK-style loss detection, per path: a packet is lost when a packet

@@ -99,17 +99,17 @@ static void test_spurious_timeout(void)
     struct path *p = setup();
     path_on_loss_pt(c, p, true, 95 * MS, 100 * MS);
     CHECK(p->state == MRC_PATH_SUSPECT);
-    path_on_late_pt(c, p, 96 * MS, 102 * MS);
+    path_on_delivered_pt(c, p, 96 * MS, 102 * MS);
     CHECK(p->state == MRC_PATH_GOOD);
     CHECK(ep->st.spurious_rto == 1);
-    path_on_late_pt(c, p, 97 * MS, 103 * MS); /* the same timeout: one verdict */
+    path_on_delivered_pt(c, p, 97 * MS, 103 * MS); /* the same timeout: one verdict */
     CHECK(ep->st.spurious_rto == 1);
     /* Suspect by RACK, failed by a timeout, then the path delivers. */
     path_on_loss_pt(c, p, false, 110 * MS, 111 * MS);
     p->consec_loss = MRC_LOSSES_TO_FAIL - 1;
     path_on_loss_pt(c, p, true, 115 * MS, 120 * MS);
     CHECK(p->state == MRC_PATH_FAILED);
-    path_on_late_pt(c, p, 116 * MS, 124 * MS);
+    path_on_delivered_pt(c, p, 116 * MS, 124 * MS);
     CHECK(p->state == MRC_PATH_GOOD && ep->st.spurious_rto == 2);
     teardown();
 }
@@ -120,17 +120,17 @@ static void test_real_timeout_kept(void)
 {
     struct path *p = setup();
     path_on_loss_pt(c, p, true, 95 * MS, 100 * MS);
-    path_on_late_pt(c, p, 94 * MS, 101 * MS);
+    path_on_delivered_pt(c, p, 94 * MS, 101 * MS);
     CHECK(p->state == MRC_PATH_SUSPECT);
     CHECK(ep->st.spurious_rto == 0);
     /* Sent after the timeout fired: a new packet, no verdict on the old one. */
-    path_on_late_pt(c, p, 100 * MS + 1, 101 * MS);
+    path_on_delivered_pt(c, p, 100 * MS + 1, 101 * MS);
     CHECK(ep->st.spurious_rto == 0);
     /* A RACK loss (not a timeout) opens no verdict. */
     path_set_state_pt(c, p, MRC_PATH_GOOD, 110 * MS);
     p->rto_loss_ns = 0;
     path_on_loss_pt(c, p, false, 111 * MS, 112 * MS);
-    path_on_late_pt(c, p, 111 * MS + 1, 113 * MS);
+    path_on_delivered_pt(c, p, 111 * MS + 1, 113 * MS);
     CHECK(p->state == MRC_PATH_SUSPECT && ep->st.spurious_rto == 0);
     teardown();
 }
