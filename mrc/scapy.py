@@ -2,8 +2,9 @@
 
 Layers: ``MRC`` (the 24-byte common header) followed by ``MRCData`` (types WRITE
 and SEND, then ``len`` payload bytes as ``Raw``), ``MRCAck`` or ``MRCNak``, chosen
-by ``type``; PROBE, PROBE_ACK and CLOSE have no extension. All fields are
-little-endian.
+by ``type``; an ACK's further echoes (``len`` / 16 of them, one per other path
+that delivered) are ``MRCAck.echoes``, a list of ``MRCAckEcho``; PROBE, PROBE_ACK
+and CLOSE have no extension. All fields are little-endian.
 
 mrc has no fixed UDP port (one ephemeral port per plane by default), so there are
 two ways to get packets decoded:
@@ -31,6 +32,8 @@ from scapy.fields import (
     LEIntField,
     LELongField,
     LEShortField,
+    PacketListField,
+    StrFixedLenField,
     XLELongField,
     XLEShortField,
 )
@@ -43,6 +46,7 @@ __all__ = [
     "VERSION",
     "MRC",
     "MRCAck",
+    "MRCAckEcho",
     "MRCData",
     "MRCNak",
     "PKT_TYPES",
@@ -55,7 +59,7 @@ __all__ = [
 
 DEFAULT_PORT = 4793
 MAGIC = 0x4D52
-VERSION = 1
+VERSION = 2
 HDR_LEN = 24
 PKT_TYPES = {
     1: "WRITE",
@@ -87,9 +91,9 @@ class MRC(Packet):  # type: ignore[misc]
 
     def post_build(self, pkt: bytes, pay: bytes) -> bytes:
         if self.len is None:
-            # payload bytes after the extension: only DATA carries any
+            # bytes after the extension: DATA's payload, an ACK's further echoes
             ext = {1: 32, 2: 32, 3: 72, 4: 8}.get(self.type, 0)
-            n = max(len(pay) - ext, 0) if self.type in (1, 2) else 0
+            n = max(len(pay) - ext, 0) if self.type in (1, 2, 3) else 0
             pkt = pkt[:6] + struct.pack("<H", n) + pkt[8:]
         return pkt + pay
 
@@ -116,14 +120,37 @@ class MRCData(Packet):  # type: ignore[misc]
         return Raw
 
 
+class MRCAckEcho(Packet):  # type: ignore[misc]
+    """One further echo of an ACK, 16 bytes: a path that delivered, its latest PSN
+    and that packet's send timestamp."""
+
+    name = "MRCAckEcho"
+    fields_desc = [
+        ByteField("path", 0),
+        StrFixedLenField("pad", b"\0\0\0", 3),
+        LEIntField("psn", 0),
+        LELongField("ts", 0),
+    ]
+
+    def extract_padding(self, s: bytes) -> tuple[bytes, bytes]:
+        return b"", s
+
+
+def _echo_count(ack: Any) -> int:
+    under = ack.underlayer
+    return (under.len or 0) // 16 if under is not None else 0
+
+
 class MRCAck(Packet):  # type: ignore[misc]
-    """ACK extension, 72 bytes: SACK base, echoed PSN, 8 little-endian u64 words."""
+    """ACK extension, 72 bytes: SACK base, echoed PSN, 8 little-endian u64 words;
+    then the header's ``len`` / 16 further echoes (``echoes``)."""
 
     name = "MRCAck"
     fields_desc = [
         LEIntField("sack_base", 0),
         LEIntField("echo_psn", 0),
         FieldListField("sack", [0] * 8, XLELongField("", 0), count_from=lambda _p: 8),
+        PacketListField("echoes", [], MRCAckEcho, count_from=_echo_count),
     ]
 
     def guess_payload_class(self, payload: bytes) -> Any:
@@ -206,7 +233,7 @@ def split(data: bytes) -> list[bytes]:
     while is_mrc(data[:HDR_LEN]):
         typ = data[3]
         n = HDR_LEN + EXT_LEN.get(typ, 0)
-        if typ in (1, 2):
+        if typ in (1, 2, 3):
             n += struct.unpack_from("<H", data, 6)[0]
         if n > len(data):
             break

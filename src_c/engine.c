@@ -309,11 +309,11 @@ void *engine_main(void *arg)
              * others or the transmit side. */
             for (int k = 0; k < 4; k++) {
                 int n = sock_recv_pt(ep, i);
-                rx_flush_acks_pt(ep);
                 if (n < MRC_BATCH)
                     break;
             }
         }
+        rx_flush_acks_pt(ep);
         rx_copy_run_pt(ep); /* staged messages, a slice per pass */
         uint64_t now = now_ns();
         if (ep->nl_ready) {

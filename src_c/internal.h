@@ -298,6 +298,7 @@ struct mrc_conn {
     uint64_t undelivered_bytes; /* of which, messages not yet delivered */
     int staging;              /* staged messages not yet delivered */
     uint64_t ack_need;        /* bit per path id */
+    unsigned ack_turn;        /* which delivering path's mirror the next ACK takes */
     uint32_t ack_echo_psn[MRC_MAX_PATHS];
     uint64_t ack_echo_ts[MRC_MAX_PATHS];
 
@@ -324,7 +325,7 @@ struct txbatch {
     struct iovec iov[MRC_BATCH][2];     /* header, payload: contiguous, so a run of
                                          * packets is one iovec array (UDP GSO) */
     struct sockaddr_in6 dst[MRC_BATCH]; /* copies: a path may go before its packet */
-    _Alignas(8) uint8_t hdr[MRC_BATCH][MRC_ACK_LEN];
+    _Alignas(8) uint8_t hdr[MRC_BATCH][MRC_ACK_MAX_LEN]; /* the longest header */
     /* What one sendmmsg passes: runs of equal-sized packets to one address
      * merged into one UDP GSO datagram each (sock_flush_pt). */
     struct mmsghdr gmsg[MRC_BATCH];

@@ -474,10 +474,12 @@ void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, ui
         DROP(ep, BAD_PATH);
         return;
     }
+    /* Bytes are payload bytes: an ACK's further echoes are not. */
+    uint32_t payload = h->type == MRC_PKT_WRITE || h->type == MRC_PKT_SEND ? h->len : 0;
     ep->st.rx_pkts++;
-    ep->st.rx_bytes += h->len;
+    ep->st.rx_bytes += payload;
     p->rx_pkts++;
-    p->rx_bytes += h->len;
+    p->rx_bytes += payload;
     switch (h->type) {
     case MRC_PKT_WRITE:
     case MRC_PKT_SEND:
@@ -512,7 +514,28 @@ void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, ui
     }
 }
 
-/* One ACK per (connection, path) that received data in the last burst. */
+/* The socket an ACK answering the paths in `ids` leaves on: the mirror of
+ * one of them, taken in turn so that ACKs spread over the reverse paths and
+ * one dead reverse direction costs only some of them, skipping mirrors this
+ * side knows are not good; failing that, any live path. */
+static struct path *ack_path(mrc_conn *c, const unsigned *ids, unsigned n)
+{
+    unsigned turn = c->ack_turn++;
+    for (unsigned k = 0; k < n; k++) {
+        struct path *p = conn_path(c, ids[(turn + k) % n]);
+        if (p && p->state == MRC_PATH_GOOD && !sock_batch_full_pt(c->ep, p->sock))
+            return p;
+    }
+    struct path *p = path_for_ack_pt(c, (int)ids[turn % n]);
+    return p && !sock_batch_full_pt(c->ep, p->sock) ? p : NULL;
+}
+
+/* One ACK per connection that received data in the last pass (more when
+ * over 1 + MRC_ACK_ECHO_MAX of its paths did): the SACK block, and for each
+ * path the echo of the latest packet it delivered, whose send time gives the
+ * sender that path's delay. Was one ACK per (connection, path): on the
+ * 4-plane fabric 2.7 ACKs per connection and pass, a third of the datagrams
+ * the fabric forwarded for a collective. */
 void rx_flush_acks_pt(mrc_ep *ep)
 {
     while (ep->ackq) {
@@ -522,31 +545,44 @@ void rx_flush_acks_pt(mrc_ep *ep)
         uint64_t need = c->ack_need;
         c->ack_need = 0;
         while (need) {
-            unsigned id = (unsigned)__builtin_ctzll(need);
-            need &= need - 1;
-            struct path *p = path_for_ack_pt(c, (int)id);
-            if (!p || sock_batch_full_pt(ep, p->sock))
+            unsigned ids[1 + MRC_ACK_ECHO_MAX], n = 0;
+            while (need && n < 1 + MRC_ACK_ECHO_MAX) {
+                ids[n++] = (unsigned)__builtin_ctzll(need);
+                need &= need - 1;
+            }
+            struct path *p = ack_path(c, ids, n);
+            if (!p)
                 continue;
             ep->st.acks_tx++;
             if (inject_drop(ep, p)) {
                 p->injected++;
                 continue;
             }
-            uint8_t *buf = sock_tx_slot_pt(ep, p, MRC_ACK_LEN, NULL, 0);
+            size_t len = MRC_ACK_LEN + (n - 1) * sizeof(struct mrc_ack_echo);
+            uint8_t *buf = sock_tx_slot_pt(ep, p, len, NULL, 0);
             struct mrc_hdr *h = (struct mrc_hdr *)buf;
             struct mrc_ack_ext *a = (struct mrc_ack_ext *)(h + 1);
-            uint32_t echo = c->ack_echo_psn[id];
+            struct mrc_ack_echo *e = (struct mrc_ack_echo *)(a + 1);
             *h = (struct mrc_hdr){.magic = MRC_MAGIC, .version = MRC_WIRE_VERSION,
-                                  .type = MRC_PKT_ACK, .path = (uint8_t)id,
+                                  .type = MRC_PKT_ACK, .path = (uint8_t)ids[0],
+                                  .len = (uint16_t)((n - 1) * sizeof(*e)),
                                   .conn = c->peer_id, .psn = c->rx_cum,
-                                  .ts = c->ack_echo_ts[id]};
-            /* The SACK block starts at the cumulative ack, or ends at the echoed
-             * psn when that lies further out. */
+                                  .ts = c->ack_echo_ts[ids[0]]};
+            /* The SACK block starts at the cumulative ack, or ends at the
+             * furthest echoed psn when that lies further out. */
+            uint32_t far = c->ack_echo_psn[ids[0]];
+            for (unsigned k = 1; k < n; k++) {
+                uint32_t psn = c->ack_echo_psn[ids[k]];
+                e[k - 1] = (struct mrc_ack_echo){.path = (uint8_t)ids[k], .psn = psn,
+                                                 .ts = c->ack_echo_ts[ids[k]]};
+                if (psn_lt(far, psn))
+                    far = psn;
+            }
             uint32_t base = c->rx_cum;
-            if (psn_diff(echo, base) >= MRC_SACK_BITS)
-                base = echo - (MRC_SACK_BITS - 1);
+            if (psn_diff(far, base) >= MRC_SACK_BITS)
+                base = far - (MRC_SACK_BITS - 1);
             a->sack_base = base;
-            a->echo_psn = echo;
+            a->echo_psn = c->ack_echo_psn[ids[0]];
             memset(a->sack, 0, sizeof(a->sack));
             for (uint32_t i = 0; i < MRC_SACK_BITS; i++) {
                 uint32_t psn = base + i;

@@ -214,20 +214,45 @@ void tx_on_close_cum_pt(mrc_conn *c, uint32_t cum, uint64_t now)
     }
 }
 
+/* What an echo says about its path: the delay of the packet echoed (sent at
+ * ts), and that the path delivered everything it carried up to it. A
+ * timestamp from the future or from long ago is forged or stale, and not a
+ * sample. */
+static void tx_on_echo_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t now)
+{
+    if (ts > now || now - ts >= 10000000000ull)
+        return;
+    path_on_rtt_pt(p, now - ts, now);
+    if (ts > p->delivered_ts)
+        p->delivered_ts = ts;
+    p->last_rx_ns = now;
+    p->consec_loss = 0;
+    path_on_delivered_pt(c, p, ts, now);
+}
+
 /*
  * An ACK: cumulative psn, a 512-bit SACK block, and the echo of the latest
- * packet the receiver got on path h->path (its send timestamp).
+ * packet the receiver got on path h->path (its send timestamp), then the same
+ * for each further path that delivered (wire.h, struct mrc_ack_echo).
  */
 void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
                   const struct mrc_ack_ext *a, uint64_t now)
 {
     mrc_ep *ep = c->ep;
     uint32_t cum = h->psn;
-    /* Nothing may be acknowledged that was never sent. */
+    const struct mrc_ack_echo *e = (const struct mrc_ack_echo *)(a + 1);
+    unsigned nextra = h->len / (unsigned)sizeof(*e); /* wire.c bounds it */
+    /* Nothing may be acknowledged that was never sent, nor echoed from a
+     * path the connection does not have. */
     if (psn_diff(cum, c->next_psn) > 0 || psn_diff(a->echo_psn, c->next_psn) >= 0) {
         DROP(ep, BAD_ACK);
         return;
     }
+    for (unsigned k = 0; k < nextra; k++)
+        if (psn_diff(e[k].psn, c->next_psn) >= 0 || !conn_path(c, e[k].path)) {
+            DROP(ep, BAD_ACK);
+            return;
+        }
     int32_t base_off = psn_diff(a->sack_base, c->next_psn);
     for (int w = 0; w < MRC_SACK_BITS / 64; w++) {
         uint64_t bits = a->sack[w];
@@ -262,16 +287,11 @@ void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
     if (c->una != una0)
         c->last_progress_ns = now;
 
-    /* Delay of the echoed path; a timestamp from the future or from long ago
-     * is forged or stale, and not a sample. */
-    if (p && h->ts <= now && now - h->ts < 10000000000ull) {
-        path_on_rtt_pt(p, now - h->ts, now);
-        if (h->ts > p->delivered_ts)
-            p->delivered_ts = h->ts;
-        p->last_rx_ns = now;
-        p->consec_loss = 0;
-        path_on_delivered_pt(c, p, h->ts, now);
-    }
+    /* The echoed paths, before loss detection reads their delivered_ts. */
+    if (p)
+        tx_on_echo_pt(c, p, h->ts, now);
+    for (unsigned k = 0; k < nextra; k++)
+        tx_on_echo_pt(c, conn_path(c, e[k].path), e[k].ts, now);
 
     /* RACK-style loss detection, per path: a packet is lost when a packet
      * sent after it on the same path has been delivered (paths are FIFO).

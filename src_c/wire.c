@@ -35,10 +35,17 @@ int mrc_pkt_validate(const void *buf, size_t len, uint32_t max_payload)
     size_t fixed = pkt_fixed_len[h->type];
     if (len < fixed)
         return MRC_DROP_TRUNCATED;
-    /* Only DATA carries a payload, and its length must match the datagram
-     * exactly: a mismatch means truncation or trailing garbage. */
+    /* Only DATA carries a payload, and an ACK its further echoes; the length
+     * must match the datagram exactly: a mismatch means truncation or
+     * trailing garbage. */
     if (h->len != len - fixed)
         return MRC_DROP_BAD_LENGTH;
+    if (h->type == MRC_PKT_ACK) {
+        if (h->len % sizeof(struct mrc_ack_echo) ||
+            h->len / sizeof(struct mrc_ack_echo) > MRC_ACK_ECHO_MAX)
+            return MRC_DROP_BAD_LENGTH;
+        return 0;
+    }
     if (h->type != MRC_PKT_WRITE && h->type != MRC_PKT_SEND) {
         if (h->len != 0)
             return MRC_DROP_BAD_LENGTH;
@@ -77,8 +84,9 @@ char *mrc_pkt_to_string(const void *pkt, size_t len, char *buf, size_t buflen)
                  (unsigned long long)d->msg_len);
     } else if (h->type == MRC_PKT_ACK && len >= MRC_ACK_LEN) {
         const struct mrc_ack_ext *a = (const void *)(h + 1);
-        snprintf(buf + n, buflen - (size_t)n, " sack_base=%u echo_psn=%u",
-                 (unsigned)a->sack_base, (unsigned)a->echo_psn);
+        snprintf(buf + n, buflen - (size_t)n, " sack_base=%u echo_psn=%u echoes=%u",
+                 (unsigned)a->sack_base, (unsigned)a->echo_psn,
+                 1u + (unsigned)(h->len / sizeof(struct mrc_ack_echo)));
     }
     return buf;
 }

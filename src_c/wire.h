@@ -21,8 +21,9 @@
  * +---------------------------------------------------------------+
  *  DATA (WRITE, SEND) extension, 32 bytes:
  * |  msn  |  imm  |  key (WRITE: rkey; SEND: tag)  |  offset  |  msg_len  |
- *  ACK extension, 72 bytes:
+ *  ACK extension, 72 bytes, then `payload length` / 16 further echoes:
  * |  sack_base  |  echo_psn  |  sack bitmap, 512 bits (psn sack_base + i)  |
+ * |  path | 0 0 0 |  psn  |  ts  |  (each further echo, 16 bytes)  ...      |
  *  NAK extension, 8 bytes:  |  msn  |  code  |
  */
 #ifndef MRC_WIRE_H
@@ -37,7 +38,7 @@
 #endif
 
 #define MRC_MAGIC 0x4d52u
-#define MRC_WIRE_VERSION 1u
+#define MRC_WIRE_VERSION 2u /* 2: an ACK echoes every path that delivered */
 
 enum mrc_pkt_type {
     MRC_PKT_WRITE = 1,     /* DATA: RDMA WRITE into (key, offset) */
@@ -87,6 +88,18 @@ struct mrc_ack_ext {
 };
 static_assert(sizeof(struct mrc_ack_ext) == 72, "ack extension is 72 bytes");
 
+/* One ACK answers every path of its connection that delivered since the last
+ * one: the header's path, ts and the extension's echo_psn are the first echo,
+ * these follow the extension (the header's len counts their bytes). */
+struct mrc_ack_echo {
+    uint8_t path;
+    uint8_t pad[3]; /* zero, ignored */
+    uint32_t psn;   /* the latest packet the receiver got on this path */
+    uint64_t ts;    /* its send timestamp */
+};
+static_assert(sizeof(struct mrc_ack_echo) == 16, "ack echo is 16 bytes");
+#define MRC_ACK_ECHO_MAX 7 /* further echoes per ACK: 8 paths; more take another ACK */
+
 struct mrc_nak_ext {
     uint32_t msn;
     uint32_t code; /* MRC_NAK_* */
@@ -101,6 +114,7 @@ enum {
 
 #define MRC_DATA_HDR_LEN (sizeof(struct mrc_hdr) + sizeof(struct mrc_data_ext))
 #define MRC_ACK_LEN (sizeof(struct mrc_hdr) + sizeof(struct mrc_ack_ext))
+#define MRC_ACK_MAX_LEN (MRC_ACK_LEN + MRC_ACK_ECHO_MAX * sizeof(struct mrc_ack_echo))
 #define MRC_NAK_LEN (sizeof(struct mrc_hdr) + sizeof(struct mrc_nak_ext))
 #define MRC_CTRL_LEN (sizeof(struct mrc_hdr))
 

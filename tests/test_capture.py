@@ -42,6 +42,11 @@ def test_layer_round_trip_and_binding() -> None:
     assert ms.decode(anywhere) is not None and ms.decode(anywhere).psn == 9
     ack = ms.MRC(raw(ms.MRC(type=3) / ms.MRCAck(sack_base=100, sack=[0b1011] + [0] * 7)))
     assert ms.sack_psns(ack[ms.MRCAck]) == [100, 101, 103]
+    assert ack.len == 0 and ack[ms.MRCAck].echoes == []
+    echoes = [ms.MRCAckEcho(path=p, psn=200 + p, ts=7 * p) for p in (2, 5)]
+    ack = ms.MRC(raw(ms.MRC(type=3, path=1) / ms.MRCAck(echoes=echoes)))
+    assert ack.len == 32  # the further echoes' bytes
+    assert [(e.path, e.psn, e.ts) for e in ack[ms.MRCAck].echoes] == [(2, 202, 14), (5, 205, 35)]
     assert mrc_capture.sack_ranges([100, 101, 103]) == [(100, 101), (103, 103)]
 
 
@@ -52,7 +57,7 @@ def test_gso_datagram_splits_into_its_packets() -> None:
 
     body = [bytes([i]) * (10 + i) for i in range(3)]
     data = [raw(ms.MRC(type=1, psn=i) / ms.MRCData(msn=i) / body[i]) for i in range(3)]
-    ack = raw(ms.MRC(type=3, psn=7) / ms.MRCAck())
+    ack = raw(ms.MRC(type=3, psn=7) / ms.MRCAck(echoes=[ms.MRCAckEcho(path=1)]))
     probe = raw(ms.MRC(type=5, psn=8))
     blob = b"".join(data) + ack + probe + data[0][:30]
     pkts = ms.decode_all(IP(raw(IP() / UDP(sport=1, dport=2) / blob)))
@@ -112,6 +117,10 @@ def test_capture_summary_sees_transfer_and_retransmits(tmp_path: Path) -> None:
     assert total.retx > 0 and total.retx <= st["retx"]
     acks = conns[conn_a].total()  # ACKs travel to a: its own conn id
     assert acks.acks > 0 and acks.sack_ranges > 0
+    # One ACK answers every plane that delivered in a receive pass: with two
+    # planes busy, some ACKs echo both, and both planes' paths are echoed.
+    assert acks.echoes > acks.acks
+    assert all(conns[conn_a].paths[i].echoes > 0 for i in range(2))
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "mrc_capture.py"), "--json", str(pcap)],
         capture_output=True,

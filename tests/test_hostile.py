@@ -210,7 +210,7 @@ def test_header_checks_in_order() -> None:
             ("runt", good[:10], "truncated"),
             ("header only, DATA type", good[:24], "truncated"),
             ("magic", b"\x00\x00" + good[2:], "bad_magic"),
-            ("version", good[:2] + b"\x02" + good[3:], "bad_version"),
+            ("version", good[:2] + bytes([ms.VERSION + 1]) + good[3:], "bad_version"),
             ("type 0", good[:3] + b"\x00" + good[4:], "bad_type"),
             ("type 200", good[:3] + b"\xc8" + good[4:], "bad_type"),
             ("payload cut short", good[:-1], "bad_length"),
@@ -222,8 +222,16 @@ def test_header_checks_in_order() -> None:
                 "bad_length",
             ),
             (
-                "ACK with a payload",
+                "ACK with part of an echo",
                 bytes(hdr(type=3, conn=lv.a_conn, len=4) / ms.MRCAck()) + b"abcd",
+                "bad_length",
+            ),
+            (
+                "ACK with more echoes than the format allows",
+                bytes(
+                    hdr(type=3, conn=lv.a_conn)
+                    / ms.MRCAck(echoes=[ms.MRCAckEcho(path=0)] * 8)  # 1 + 7 at most
+                ),
                 "bad_length",
             ),
             (
@@ -301,17 +309,28 @@ def test_forged_acks_at_the_sender() -> None:
         nxt = lv.last.psn + 1  # the sender's next PSN: nothing at or above was sent
         m = lv.last[ms.MRCData].msn
 
-        def ack(cum: int, base: int, echo: int, sack: list[int] | None = None) -> bytes:
+        def ack(
+            cum: int, base: int, echo: int, sack: list[int] | None = None, more: Any = ()
+        ) -> bytes:
             return bytes(
                 hdr(type=3, conn=lv.a_conn, psn=cum & 0xFFFFFFFF, ts=0)
                 / ms.MRCAck(
-                    sack_base=base & 0xFFFFFFFF, echo_psn=echo & 0xFFFFFFFF, sack=sack or [0] * 8
+                    sack_base=base & 0xFFFFFFFF,
+                    echo_psn=echo & 0xFFFFFFFF,
+                    sack=sack or [0] * 8,
+                    echoes=[ms.MRCAckEcho(path=p, psn=q & 0xFFFFFFFF) for p, q in more],
                 )
             )
 
         cases = [
             ("cumulative ack beyond what was sent", ack(nxt + 10, nxt, nxt - 1), "bad_ack"),
             ("echo of a psn never sent", ack(nxt, nxt, nxt + 3), "bad_ack"),
+            (
+                "further echo of a psn never sent",
+                ack(nxt, nxt, nxt - 1, more=[(0, nxt)]),
+                "bad_ack",
+            ),
+            ("further echo of a path it lacks", ack(nxt, nxt, nxt - 1, more=[(40, 1)]), "bad_ack"),
             ("sack of a psn never sent", ack(nxt, nxt, nxt - 1, [1] + [0] * 7), "bad_ack"),
             ("sack far ahead", ack(nxt, nxt + 1000, nxt - 1, [0] * 7 + [1 << 63]), "bad_ack"),
             (
@@ -334,6 +353,8 @@ def test_forged_acks_at_the_sender() -> None:
             assert inject(lv.p.a, pkt, B_ADDR) == {reason: 1}, what
         # An in-range ACK with a wild sack_base and no bits is harmless (no drop).
         assert inject(lv.p.a, ack(nxt, nxt + (1 << 31) - 1, nxt - 1), B_ADDR) == {}
+        # So is one whose further echo names a path it has and a psn it sent.
+        assert inject(lv.p.a, ack(nxt, nxt, nxt - 1, more=[(0, nxt - 1)]), B_ADDR) == {}
         assert lv.p.a.stats()["lost_rack"] == 0
         assert_healthy(lv)
 
@@ -437,7 +458,7 @@ def test_garbage_over_udp_needs_no_root() -> None:
         ca_id = p.cb.ids[0]
         pkts = [bytes(rnd.integers(0, 256, int(n), dtype=np.uint8)) for n in range(0, 200, 7)]
         pkts += [bytes(hdr(type=1, conn=ca_id, len=8000) / ms.MRCData())]  # len lies
-        pkts += [b"\x52\x4d\x01\x01" + bytes(70_000 - 4)]  # > any valid packet
+        pkts += [b"\x52\x4d" + bytes([ms.VERSION, 1]) + bytes(70_000 - 4)]  # > any valid packet
         before = drops(p.b)
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.bind((A_ADDR, 0))

@@ -176,6 +176,8 @@ def test_region_without_remote_write_is_refused() -> None:
 
 def garbage_datagrams(conn_ids: list[int], n: int) -> list[bytes]:
     """Random bytes, truncated mrc headers, valid headers for unknown connections."""
+    from mrc.scapy import VERSION as V  # the wire version (src_c/wire.h)
+
     rnd = random.Random(42)
     out = []
     for i in range(n):
@@ -184,15 +186,15 @@ def garbage_datagrams(conn_ids: list[int], n: int) -> list[bytes]:
             out.append(rnd.randbytes(rnd.randrange(0, 200)))
         elif kind == 1:  # a plausible header, cut short
             hdr = struct.pack(
-                "<HBBBBHIIQ", 0x4D52, 1, 1, 0, 0, 100, rnd.choice(conn_ids), rnd.getrandbits(32), 0
+                "<HBBBBHIIQ", 0x4D52, V, 1, 0, 0, 100, rnd.choice(conn_ids), rnd.getrandbits(32), 0
             )
             out.append(hdr[: rnd.randrange(1, len(hdr))])
         elif kind == 2:  # unknown connection id, well-formed ACK
-            hdr = struct.pack("<HBBBBHIIQ", 0x4D52, 1, 3, 0, 0, 0, rnd.getrandbits(32) | 1, 0, 0)
+            hdr = struct.pack("<HBBBBHIIQ", 0x4D52, V, 3, 0, 0, 0, rnd.getrandbits(32) | 1, 0, 0)
             out.append(hdr + bytes(72))
         else:  # bad version / type
             out.append(
-                struct.pack("<HBB", 0x4D52, rnd.choice([0, 2, 9]), rnd.randrange(256))
+                struct.pack("<HBB", 0x4D52, rnd.choice([0, V + 1, 9]), rnd.randrange(256))
                 + rnd.randbytes(40)
             )
     return out

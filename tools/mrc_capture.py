@@ -26,7 +26,8 @@ class PathStats:
     data_pkts: int = 0
     data_bytes: int = 0
     retx: int = 0
-    acks: int = 0
+    acks: int = 0  # ACK datagrams, counted on the first path they answer
+    echoes: int = 0  # paths answered: an ACK echoes every path that delivered
     sack_ranges: int = 0
     naks: int = 0
     probes: int = 0
@@ -79,8 +80,11 @@ def summarise(packets: Any, port: int | None = None) -> dict[int, ConnStats]:
             c.psns.add(m.psn)
         elif m.type == 3:
             p.acks += 1
+            p.echoes += 1
             if m.haslayer(ms.MRCAck):
                 p.sack_ranges += len(sack_ranges(ms.sack_psns(m[ms.MRCAck])))
+                for e in m[ms.MRCAck].echoes:
+                    c.paths[e.path].echoes += 1
             c.max_cum_ack = m.psn
         elif m.type == 4:
             p.naks += 1

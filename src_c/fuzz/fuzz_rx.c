@@ -165,6 +165,11 @@ static void fixup(uint8_t *pkt, size_t len, uint8_t mode, bool to_sender)
     if (len < fixed[h.type])
         h.type = len >= MRC_DATA_HDR_LEN ? MRC_PKT_WRITE : MRC_PKT_PROBE;
     h.len = (uint16_t)(h.type <= MRC_PKT_SEND ? len - fixed[h.type] : 0);
+    /* An ACK keeps what follows its extension as further echoes when that is
+     * whole echoes the format allows (their path ids and psns stay fuzzed). */
+    if (h.type == MRC_PKT_ACK && (len - fixed[h.type]) % sizeof(struct mrc_ack_echo) == 0 &&
+        len - fixed[h.type] <= MRC_ACK_ECHO_MAX * sizeof(struct mrc_ack_echo))
+        h.len = (uint16_t)(len - fixed[h.type]);
     mrc_conn *c = to_sender ? conn_a : conn_b;
     h.conn = c->id;
     h.path = h.path & 1 ? h.path : 0;
@@ -173,6 +178,9 @@ static void fixup(uint8_t *pkt, size_t len, uint8_t mode, bool to_sender)
     uint32_t base = to_sender ? c->una : c->rx_cum;
     h.psn = base + h.psn % span - 8;
     memcpy(pkt, &h, sizeof(h));
+    for (size_t off = MRC_ACK_LEN; h.type == MRC_PKT_ACK && off < MRC_ACK_LEN + h.len;
+         off += sizeof(struct mrc_ack_echo))
+        pkt[off] &= 1; /* a further echo's path: mostly one the connection has */
     if (h.type > MRC_PKT_SEND || len < MRC_DATA_HDR_LEN)
         return;
     struct mrc_data_ext d;

@@ -1,10 +1,12 @@
 /*
- * test_path.c - the path state machine and timeouts (path.c), driven
- * directly on the progress-thread functions with a bare endpoint whose only
- * plane is down, so probes go nowhere and nothing runs concurrently.
+ * test_path.c - the path state machine and timeouts (path.c), and what an
+ * ACK tells the paths (rx.c builds it, tx.c reads it), driven directly on the
+ * progress-thread functions with a bare endpoint whose only plane is down, so
+ * probes go nowhere and nothing runs concurrently.
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "check.h"
 #include "internal.h"
@@ -135,6 +137,146 @@ static void test_real_timeout_kept(void)
     teardown();
 }
 
+/* A bare connection with n paths, path i on socket i; receive window of 1024. */
+static void setup_paths(int n)
+{
+    setup();
+    ep->planes[0].down = false; /* ACKs reach their socket batch (nothing sends it) */
+    ep->nsocks = n;
+    for (int i = 1; i < n; i++)
+        ep->socks[i] = calloc(1, sizeof(*ep->socks[i]));
+    c->npaths = n;
+    for (int i = 0; i < n; i++) {
+        struct path *p = &c->paths[i];
+        path_init(p, c->mss);
+        p->id = i;
+        p->sock = i;
+        c->path_index[i] = i;
+    }
+    c->window = 1024;
+    c->wmask = 1023;
+    c->rx_bits = calloc(1024 / 64, sizeof(uint64_t));
+}
+
+static void teardown_paths(void)
+{
+    free(c->rx_bits);
+    for (int i = 1; i < ep->nsocks; i++)
+        free(ep->socks[i]);
+    teardown();
+}
+
+/* Packets that arrived on paths `ids` (psn 90 + id, sent at id us): flush. */
+static void arrive(const int *ids, int n)
+{
+    for (int k = 0; k < n; k++) {
+        c->ack_need |= 1ull << ids[k];
+        c->ack_echo_psn[ids[k]] = 90u + (uint32_t)ids[k];
+        c->ack_echo_ts[ids[k]] = (uint64_t)ids[k] * US + US;
+    }
+    c->in_ackq = true;
+    c->next_ack = NULL;
+    ep->ackq = c;
+    rx_flush_acks_pt(ep);
+}
+
+/* The ACKs queued on every socket, in socket order. */
+static int queued_acks(const struct mrc_hdr **out, size_t *len, int max)
+{
+    int n = 0;
+    for (int s = 0; s < ep->nsocks; s++)
+        for (int i = 0; i < ep->socks[s]->batch.n && n < max; i++) {
+            out[n] = (const struct mrc_hdr *)ep->socks[s]->batch.hdr[i];
+            len[n++] = ep->socks[s]->batch.iov[i][0].iov_len;
+        }
+    return n;
+}
+
+/* One ACK per connection and pass answers every path that delivered (was one
+ * per path): the header echoes the first, the rest follow the extension; the
+ * sender takes each echo as its path's delay and delivery. */
+static void test_one_ack_echoes_every_path(void)
+{
+    setup_paths(4);
+    c->rx_cum = 100; /* 90..99 were all delivered: nothing below is missing */
+    arrive((const int[]){0, 2, 3}, 3);
+    const struct mrc_hdr *h[8];
+    size_t len[8];
+    CHECK(queued_acks(h, len, 8) == 1);
+    CHECK(ep->st.acks_tx == 1);
+    CHECK(len[0] == MRC_ACK_LEN + 2 * sizeof(struct mrc_ack_echo));
+    CHECK(mrc_pkt_validate(h[0], len[0], 8192) == 0);
+    CHECK(h[0]->type == MRC_PKT_ACK && h[0]->path == 0 && h[0]->ts == 1 * US && h[0]->psn == 100);
+    const struct mrc_ack_ext *a = (const struct mrc_ack_ext *)(h[0] + 1);
+    const struct mrc_ack_echo *e = (const struct mrc_ack_echo *)(a + 1);
+    CHECK(a->echo_psn == 90);
+    CHECK(e[0].path == 2 && e[0].psn == 92 && e[0].ts == 3 * US);
+    CHECK(e[1].path == 3 && e[1].psn == 93 && e[1].ts == 4 * US);
+
+    /* The sender's side of it, on a connection that sent 90..99. */
+    c->next_psn = c->una = 100;
+    c->highest_acked = 99;
+    uint64_t now = 1 * MS;
+    tx_on_ack_pt(c, conn_path(c, h[0]->path), h[0], a, now);
+    CHECK(ep->st.drops[MRC_DROP_BAD_ACK] == 0);
+    CHECK(c->paths[0].delivered_ts == 1 * US && c->paths[0].last_rtt == now - 1 * US);
+    CHECK(c->paths[2].delivered_ts == 3 * US && c->paths[2].last_rtt == now - 3 * US);
+    CHECK(c->paths[3].delivered_ts == 4 * US && c->paths[3].last_rtt == now - 4 * US);
+    CHECK(c->paths[1].delivered_ts == 0 && c->paths[1].last_rx_ns == 0); /* not echoed */
+
+    /* A forged further echo (a path the connection lacks, a psn never sent)
+     * drops the whole ACK: nothing of it is taken. */
+    uint8_t forged[MRC_ACK_MAX_LEN];
+    memcpy(forged, h[0], len[0]);
+    struct mrc_ack_echo *fe = (struct mrc_ack_echo *)(forged + MRC_ACK_LEN);
+    fe[1].path = 9;
+    fe[1].ts = 500 * US;
+    tx_on_ack_pt(c, &c->paths[0], (struct mrc_hdr *)forged,
+                 (struct mrc_ack_ext *)(forged + sizeof(struct mrc_hdr)), now);
+    CHECK(ep->st.drops[MRC_DROP_BAD_ACK] == 1);
+    fe[1].path = 3;
+    fe[1].psn = 100;
+    tx_on_ack_pt(c, &c->paths[0], (struct mrc_hdr *)forged,
+                 (struct mrc_ack_ext *)(forged + sizeof(struct mrc_hdr)), now);
+    CHECK(ep->st.drops[MRC_DROP_BAD_ACK] == 2);
+    CHECK(c->paths[3].delivered_ts == 4 * US);
+    teardown_paths();
+}
+
+/* The ACK leaves on the mirror of one of the paths it answers, in turn, and
+ * never on one this side knows is failed; past 1 + MRC_ACK_ECHO_MAX paths, a
+ * second ACK answers the rest. */
+static void test_ack_path_turns(void)
+{
+    setup_paths(12);
+    c->rx_cum = 100;
+    c->paths[1].state = MRC_PATH_FAILED;
+    int socks_used[12] = {0};
+    for (int round = 0; round < 6; round++) {
+        for (int s = 0; s < ep->nsocks; s++)
+            ep->socks[s]->batch.n = 0;
+        arrive((const int[]){0, 1, 2}, 3);
+        for (int s = 0; s < ep->nsocks; s++)
+            socks_used[s] += ep->socks[s]->batch.n;
+    }
+    CHECK(socks_used[1] == 0);                 /* failed mirror: never */
+    CHECK(socks_used[0] > 0 && socks_used[2] > 0); /* the others in turn */
+    CHECK(socks_used[0] + socks_used[2] == 6);
+    for (int s = 0; s < ep->nsocks; s++)
+        ep->socks[s]->batch.n = 0;
+    arrive((const int[]){0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, 11);
+    const struct mrc_hdr *h[8];
+    size_t len[8];
+    CHECK(queued_acks(h, len, 8) == 2);
+    unsigned echoes = 0;
+    for (int k = 0; k < 2; k++) {
+        CHECK(mrc_pkt_validate(h[k], len[k], 8192) == 0);
+        echoes += 1 + h[k]->len / (unsigned)sizeof(struct mrc_ack_echo);
+    }
+    CHECK(echoes == 11);
+    teardown_paths();
+}
+
 int main(void)
 {
     test_one_event_per_stall();
@@ -142,6 +284,8 @@ int main(void)
     test_quick_rto_slack();
     test_spurious_timeout();
     test_real_timeout_kept();
+    test_one_ack_echoes_every_path();
+    test_ack_path_turns();
     DONE("test_path");
     return 0;
 }

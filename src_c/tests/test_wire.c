@@ -44,7 +44,7 @@ int main(void)
     h->magic = 0x1234;
     CHECK(mrc_pkt_validate(buf, n, 8192) == MRC_DROP_BAD_MAGIC);
     h->magic = MRC_MAGIC;
-    h->version = 2;
+    h->version = MRC_WIRE_VERSION + 1;
     CHECK(mrc_pkt_validate(buf, n, 8192) == MRC_DROP_BAD_VERSION);
     h->version = MRC_WIRE_VERSION;
     for (int t = 0; t < 256; t++) {
@@ -52,7 +52,8 @@ int main(void)
         int r = mrc_pkt_validate(buf, n, 8192);
         CHECK(t >= 1 && t < MRC_PKT_TYPE_MAX ? r != MRC_DROP_BAD_TYPE : r == MRC_DROP_BAD_TYPE);
     }
-    /* An ACK must be exactly header + extension. */
+    /* An ACK is header + extension + len bytes of further echoes: whole
+     * 16-byte echoes, at most MRC_ACK_ECHO_MAX of them. */
     memset(buf, 0, sizeof(buf));
     h->magic = MRC_MAGIC;
     h->version = MRC_WIRE_VERSION;
@@ -60,7 +61,18 @@ int main(void)
     CHECK(mrc_pkt_validate(buf, MRC_ACK_LEN, 8192) == 0);
     CHECK(mrc_pkt_validate(buf, MRC_ACK_LEN - 1, 8192) == MRC_DROP_TRUNCATED);
     CHECK(mrc_pkt_validate(buf, MRC_ACK_LEN + 1, 8192) == MRC_DROP_BAD_LENGTH);
+    for (unsigned k = 1; k <= MRC_ACK_ECHO_MAX + 1; k++) {
+        h->len = (uint16_t)(k * sizeof(struct mrc_ack_echo));
+        CHECK(mrc_pkt_validate(buf, MRC_ACK_LEN + h->len, 8192) ==
+              (k <= MRC_ACK_ECHO_MAX ? 0 : MRC_DROP_BAD_LENGTH));
+        CHECK(mrc_pkt_validate(buf, MRC_ACK_LEN + h->len - 1, 8192) == MRC_DROP_BAD_LENGTH);
+    }
+    h->len = 17; /* not whole echoes */
+    CHECK(mrc_pkt_validate(buf, MRC_ACK_LEN + 17, 8192) == MRC_DROP_BAD_LENGTH);
+    h->len = 32;
     char s[160];
+    CHECK(strstr(mrc_pkt_to_string(buf, MRC_ACK_LEN + 32, s, sizeof(s)), "echoes=3") != NULL);
+    h->len = 0;
     CHECK(strstr(mrc_pkt_to_string(buf, MRC_ACK_LEN, s, sizeof(s)), "ACK") != NULL);
     CHECK(strcmp(mrc_drop_str(MRC_DROP_BAD_KEY), "bad_key") == 0);
     DONE("test_wire");
