@@ -457,6 +457,25 @@ def test_receiver_not_ready_blames_no_path() -> None:
         assert sha(dst) == sha(src)
 
 
+def test_dead_reverse_direction_of_one_plane() -> None:
+    """One ACK per pass answers every path that delivered and leaves on the reverse of
+    one of them in turn: with everything the receiver sends on plane 1 lost (its ACKs
+    taking that turn and its probe answers), the data still arrives whole and on time;
+    the ACKs on the other planes carry plane 1's echoes."""
+    size = 32 << 20
+    with connected_pair(4, timeout=5.0) as p:
+        p.b.inject(1, loss=1.0)
+        src, dst = pattern(size, 23), np.zeros(size, np.uint8)
+        ms, md = p.a.register(src), p.b.register(dst)
+        for _ in range(4):
+            p.ca.write(ms, md.descriptor()).wait(timeout=30)
+        assert sha(dst) == sha(src)
+        b, a = p.b.stats(), p.a.stats()
+        plane1 = [q for q in b["paths"] if q["plane"] == 1]
+        assert sum(q["injected"] for q in plane1) > 0  # ACKs did take the dead reverse path
+        assert a["acks_rx"] > 0 and a["drops"]["bad_ack"] == 0
+
+
 @pytest.mark.parametrize("same_tag", [False, True], ids=["distinct-tags", "one-tag"])
 def test_overtaken_message_is_admitted_when_staging_is_full(same_tag: bool) -> None:
     """Regression: with loss, messages overtake a lost one on other paths and are staged
