@@ -530,12 +530,14 @@ static struct path *ack_path(mrc_conn *c, const unsigned *ids, unsigned n)
     return p && !sock_batch_full_pt(c->ep, p->sock) ? p : NULL;
 }
 
-/* One ACK per connection that received data in the last pass (more when
- * over 1 + MRC_ACK_ECHO_MAX of its paths did): the SACK block, and for each
- * path the echo of the latest packet it delivered, whose send time gives the
- * sender that path's delay. Was one ACK per (connection, path): on the
- * 4-plane fabric 2.7 ACKs per connection and pass, a third of the datagrams
- * the fabric forwarded for a collective. */
+/* One ACK per connection that received data in the last pass: the SACK
+ * block, and for each path the echo of the latest packet it delivered, whose
+ * send time gives the sender that path's delay. Was one ACK per (connection,
+ * path): on the 4-plane fabric 2.7 ACKs per connection and pass, a third of
+ * the datagrams the fabric forwarded for a collective. More than one ACK when
+ * over 1 + MRC_ACK_ECHO_MAX paths delivered, or when the echoed packets lie
+ * further apart than one SACK block spans: every echoed packet must be in its
+ * ACK's block, or a packet echoed but never reported would time out. */
 void rx_flush_acks_pt(mrc_ep *ep)
 {
     while (ep->ackq) {
@@ -546,10 +548,32 @@ void rx_flush_acks_pt(mrc_ep *ep)
         c->ack_need = 0;
         while (need) {
             unsigned ids[1 + MRC_ACK_ECHO_MAX], n = 0;
-            while (need && n < 1 + MRC_ACK_ECHO_MAX) {
-                ids[n++] = (unsigned)__builtin_ctzll(need);
+            uint32_t near = 0, far = 0; /* echoes beyond the cumulative ack */
+            bool beyond = false;
+            uint64_t rest = 0; /* for the next ACK */
+            while (need) {
+                unsigned id = (unsigned)__builtin_ctzll(need);
                 need &= need - 1;
+                uint32_t psn = c->ack_echo_psn[id];
+                if (n == 1 + MRC_ACK_ECHO_MAX) {
+                    rest |= 1ull << id;
+                    continue;
+                }
+                if (psn_diff(psn, c->rx_cum) >= 0) {
+                    uint32_t hi = beyond && psn_lt(psn, far) ? far : psn;
+                    uint32_t lo = beyond && psn_lt(near, psn) ? near : psn;
+                    if (psn_diff(hi, c->rx_cum) >= MRC_SACK_BITS &&
+                        psn_diff(hi, lo) >= MRC_SACK_BITS) {
+                        rest |= 1ull << id; /* outside this ACK's block */
+                        continue;
+                    }
+                    far = hi;
+                    near = lo;
+                    beyond = true;
+                }
+                ids[n++] = id;
             }
+            need = rest;
             struct path *p = ack_path(c, ids, n);
             if (!p)
                 continue;
@@ -568,18 +592,15 @@ void rx_flush_acks_pt(mrc_ep *ep)
                                   .len = (uint16_t)((n - 1) * sizeof(*e)),
                                   .conn = c->peer_id, .psn = c->rx_cum,
                                   .ts = c->ack_echo_ts[ids[0]]};
-            /* The SACK block starts at the cumulative ack, or ends at the
-             * furthest echoed psn when that lies further out. */
-            uint32_t far = c->ack_echo_psn[ids[0]];
-            for (unsigned k = 1; k < n; k++) {
-                uint32_t psn = c->ack_echo_psn[ids[k]];
-                e[k - 1] = (struct mrc_ack_echo){.path = (uint8_t)ids[k], .psn = psn,
+            for (unsigned k = 1; k < n; k++)
+                e[k - 1] = (struct mrc_ack_echo){.path = (uint8_t)ids[k],
+                                                 .psn = c->ack_echo_psn[ids[k]],
                                                  .ts = c->ack_echo_ts[ids[k]]};
-                if (psn_lt(far, psn))
-                    far = psn;
-            }
+            /* The SACK block starts at the cumulative ack, or ends at the
+             * furthest echoed psn when that lies further out (then every echo
+             * is still inside it: grouped so above). */
             uint32_t base = c->rx_cum;
-            if (psn_diff(far, base) >= MRC_SACK_BITS)
+            if (beyond && psn_diff(far, base) >= MRC_SACK_BITS)
                 base = far - (MRC_SACK_BITS - 1);
             a->sack_base = base;
             a->echo_psn = c->ack_echo_psn[ids[0]];

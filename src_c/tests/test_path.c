@@ -277,6 +277,43 @@ static void test_ack_path_turns(void)
     teardown_paths();
 }
 
+/* Echoed packets further apart than a SACK block spans go in separate ACKs,
+ * each block holding its echoes: a packet echoed but never reported as
+ * received would time out at the sender. */
+static void test_far_echoes_split(void)
+{
+    setup_paths(3);
+    c->rx_cum = 100; /* a hole at 100: nothing is cumulatively acked beyond it */
+    uint32_t psn[3] = {110, 700, 705};
+    for (int k = 0; k < 3; k++) {
+        c->rx_bits[(psn[k] & c->wmask) >> 6] |= 1ull << (psn[k] & 63);
+        c->ack_need |= 1ull << k;
+        c->ack_echo_psn[k] = psn[k];
+        c->ack_echo_ts[k] = US;
+    }
+    c->in_ackq = true;
+    ep->ackq = c;
+    rx_flush_acks_pt(ep);
+    const struct mrc_hdr *h[8];
+    size_t len[8];
+    int n = queued_acks(h, len, 8);
+    CHECK(n == 2);
+    unsigned seen = 0;
+    for (int k = 0; k < n; k++) {
+        const struct mrc_ack_ext *a = (const struct mrc_ack_ext *)(h[k] + 1);
+        const struct mrc_ack_echo *e = (const struct mrc_ack_echo *)(a + 1);
+        unsigned ne = 1 + h[k]->len / (unsigned)sizeof(*e);
+        for (unsigned j = 0; j < ne; j++) {
+            uint32_t p = j ? e[j - 1].psn : a->echo_psn;
+            uint32_t i = p - a->sack_base;
+            CHECK(i < MRC_SACK_BITS && (a->sack[i >> 6] >> (i & 63) & 1));
+            seen |= 1u << (j ? e[j - 1].path : h[k]->path);
+        }
+    }
+    CHECK(seen == 7);
+    teardown_paths();
+}
+
 int main(void)
 {
     test_one_event_per_stall();
@@ -286,6 +323,7 @@ int main(void)
     test_real_timeout_kept();
     test_one_ack_echoes_every_path();
     test_ack_path_turns();
+    test_far_echoes_split();
     DONE("test_path");
     return 0;
 }
