@@ -45,6 +45,7 @@ from fabric_coll import (
 )
 
 from mrc.fabric.testing import fabric_up
+from mrc.run import BIND_MODES
 
 LINE_GBPS = 4.0
 YIELD = [("mpi_yield_when_idle", "1")]
@@ -151,7 +152,7 @@ def ratios(
 @click.option("--quick", is_flag=True, help="8 B .. 4 MiB, 2 iterations: a check that it runs.")
 @click.option(
     "--bind",
-    type=click.Choice(["none", "core"]),
+    type=click.Choice(BIND_MODES),
     default="none",
     show_default=True,
     help="core: every rank (mrc, Gloo, Open MPI alike) bound as mrc-run --bind-to core binds it.",

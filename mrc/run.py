@@ -60,6 +60,9 @@ class Rank:
     cpus: set[int] | None = None  # --bind-to core: the cores it runs on
 
 
+BIND_MODES = ("none", "core")  # --bind-to, as Open MPI names them
+
+
 def core_blocks(n: int, cpus: Sequence[int] | None = None) -> list[set[int]]:
     """Rank r's cores for --bind-to core: the r-th of n equal blocks of the cores this
     process may use, one core each (wrapping) when there are more ranks than cores."""
@@ -348,7 +351,7 @@ class Launcher:
 )
 @click.option(
     "--bind-to",
-    type=click.Choice(["none", "core"]),
+    type=click.Choice(BIND_MODES),
     default="none",
     show_default=True,
     help="core: rank r runs on the r-th equal block of this machine's cores.",

@@ -61,6 +61,8 @@ DEFAULT_PORT = 4793
 MAGIC = 0x4D52
 VERSION = 2
 HDR_LEN = 24
+EXT_LEN = {1: 32, 2: 32, 3: 72, 4: 8}  # extension bytes after the header, by type
+LEN_TYPES = (1, 2, 3)  # types whose ``len`` counts bytes after the extension
 PKT_TYPES = {
     1: "WRITE",
     2: "SEND",
@@ -92,8 +94,8 @@ class MRC(Packet):  # type: ignore[misc]
     def post_build(self, pkt: bytes, pay: bytes) -> bytes:
         if self.len is None:
             # bytes after the extension: DATA's payload, an ACK's further echoes
-            ext = {1: 32, 2: 32, 3: 72, 4: 8}.get(self.type, 0)
-            n = max(len(pay) - ext, 0) if self.type in (1, 2, 3) else 0
+            ext = EXT_LEN.get(self.type, 0)
+            n = max(len(pay) - ext, 0) if self.type in LEN_TYPES else 0
             pkt = pkt[:6] + struct.pack("<H", n) + pkt[8:]
         return pkt + pay
 
@@ -221,9 +223,6 @@ def decode(pkt: Any) -> Any:
     return MRC(data) if is_mrc(data) else None
 
 
-EXT_LEN = {1: 32, 2: 32, 3: 72, 4: 8}  # extension bytes after the header, by type
-
-
 def split(data: bytes) -> list[bytes]:
     """The mrc packets in one UDP payload. The sender hands the kernel runs of packets
     as one UDP GSO datagram; a capture taken before the stack cuts it (on lo or a
@@ -233,7 +232,7 @@ def split(data: bytes) -> list[bytes]:
     while is_mrc(data[:HDR_LEN]):
         typ = data[3]
         n = HDR_LEN + EXT_LEN.get(typ, 0)
-        if typ in (1, 2, 3):
+        if typ in LEN_TYPES:
             n += struct.unpack_from("<H", data, 6)[0]
         if n > len(data):
             break

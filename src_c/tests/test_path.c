@@ -166,18 +166,28 @@ static void teardown_paths(void)
     teardown();
 }
 
-/* Packets that arrived on paths `ids` (psn 90 + id, sent at id us): flush. */
-static void arrive(const int *ids, int n)
+/* The latest packet on path ids[k] was psn[k] (sent at (ids[k] + 1) us),
+ * for each k; then the pass ends: flush. The caller marks what was received. */
+static void arrive_psns(const int *ids, const uint32_t *psn, int n)
 {
     for (int k = 0; k < n; k++) {
         c->ack_need |= 1ull << ids[k];
-        c->ack_echo_psn[ids[k]] = 90u + (uint32_t)ids[k];
+        c->ack_echo_psn[ids[k]] = psn[k];
         c->ack_echo_ts[ids[k]] = (uint64_t)ids[k] * US + US;
     }
     c->in_ackq = true;
     c->next_ack = NULL;
     ep->ackq = c;
     rx_flush_acks_pt(ep);
+}
+
+/* The same with psn 90 + id on path id (below rx_cum in the tests: delivered). */
+static void arrive(const int *ids, int n)
+{
+    uint32_t psn[MRC_MAX_PATHS];
+    for (int k = 0; k < n; k++)
+        psn[k] = 90u + (uint32_t)ids[k];
+    arrive_psns(ids, psn, n);
 }
 
 /* The ACKs queued on every socket, in socket order. */
@@ -284,16 +294,10 @@ static void test_far_echoes_split(void)
 {
     setup_paths(3);
     c->rx_cum = 100; /* a hole at 100: nothing is cumulatively acked beyond it */
-    uint32_t psn[3] = {110, 700, 705};
-    for (int k = 0; k < 3; k++) {
+    const uint32_t psn[3] = {110, 700, 705};
+    for (int k = 0; k < 3; k++)
         c->rx_bits[(psn[k] & c->wmask) >> 6] |= 1ull << (psn[k] & 63);
-        c->ack_need |= 1ull << k;
-        c->ack_echo_psn[k] = psn[k];
-        c->ack_echo_ts[k] = US;
-    }
-    c->in_ackq = true;
-    ep->ackq = c;
-    rx_flush_acks_pt(ep);
+    arrive_psns((const int[]){0, 1, 2}, psn, 3);
     const struct mrc_hdr *h[8];
     size_t len[8];
     int n = queued_acks(h, len, 8);
