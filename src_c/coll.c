@@ -52,6 +52,7 @@
 struct mrc_coll {
     mrc_ep *ep;
     mrc_cq *cq;
+    mrc_cq *bg;             /* early sends' completions: they never end a wait for cq's */
     int rank, nranks;
     mrc_conn **peers;
     uint32_t *seq;          /* collectives run with each peer (tag field) */
@@ -154,6 +155,11 @@ int mrc_coll_create(mrc_ep *ep, const struct mrc_coll_config *cfg, mrc_coll **ou
     rc = mrc_cq_create(ep, &c->cq);
     if (rc)
         goto free_c;
+    rc = mrc_cq_create(ep, &c->bg);
+    if (rc) {
+        mrc_cq_destroy(c->cq);
+        goto free_c;
+    }
     *out = c;
     return 0;
 free_c:
@@ -201,6 +207,7 @@ void mrc_coll_destroy(mrc_coll *c)
             mrc_mr_dereg(c->bounce_mr);
         free(c->bounce);
         mrc_cq_destroy(c->cq);
+        mrc_cq_destroy(c->bg);
     }
     free(c->tmp);
     free(c->seq);
@@ -509,8 +516,10 @@ static int post_chunk(struct run *r, uint32_t s, uint32_t i)
     if (!wr.len)
         wr.loff = 0; /* an empty chunk may sit at the end of its buffer */
     bool early = r->early && t->kind == MRC_STEP_SEND && r->p->refs[t->src].buf == MRC_BUF_SEND;
-    if (early)
+    if (early) {
         wr.ctx |= CTX_EARLY | (c->slot ? CTX_SLOT : 0);
+        wr.cq = c->bg;
+    }
     int rc = mrc_post(c->peers[t->peer], &wr, NULL);
     if (rc)
         return rc;
@@ -680,13 +689,14 @@ static int wake_count(const struct run *r)
     return n > WC_BATCH ? WC_BATCH : n ? (int)n : 1;
 }
 
-/* Waits up to ms for completions and handles them: >0 handled, 0 none. */
-static int reap(struct run *r, int ms)
+/* Waits up to ms for completions on q (for min of them) and handles them:
+ * >0 handled, 0 none. */
+static int reap_q(struct run *r, mrc_cq *q, int ms, int min)
 {
     struct mrc_wc wc[WC_BATCH];
-    int n = mrc_cq_poll(r->c->cq, wc, WC_BATCH);
+    int n = mrc_cq_poll(q, wc, WC_BATCH);
     if (n == 0 && ms)
-        n = mrc_cq_wait_min(r->c->cq, wc, WC_BATCH, wake_count(r), ms);
+        n = mrc_cq_wait_min(q, wc, WC_BATCH, min, ms);
     if (n == -ETIMEDOUT)
         return 0;
     if (n < 0) {
@@ -697,6 +707,17 @@ static int reap(struct run *r, int ms)
     for (int k = 0; k < n; k++)
         complete(r, &wc[k]);
     return n;
+}
+
+/* The early sends that completed, then up to ms for the run's own. */
+static int reap(struct run *r, int ms)
+{
+    if (r->c->lingering) {
+        int n = reap_q(r, r->c->bg, 0, 1);
+        if (n < 0)
+            return n;
+    }
+    return reap_q(r, r->c->cq, ms, wake_count(r));
 }
 
 static int main_loop(struct run *r)
@@ -804,7 +825,7 @@ static int slot_wait(mrc_coll *c, int k, int timeout_ms)
             return MRC_EABORT;
         if (timeout_ms >= 0 && now_ms() > until)
             return MRC_ETIMEOUT;
-        int n = reap(&idle, WAIT_SLICE_MS);
+        int n = reap_q(&idle, c->bg, WAIT_SLICE_MS, 1);
         if (n < 0)
             return n;
     }
@@ -955,7 +976,8 @@ int mrc_coll_drain(mrc_coll *c, int timeout_ms)
     while (c->pending) {
         if (timeout_ms >= 0 && now_ms() > until)
             return -ETIMEDOUT;
-        int n = reap(&r, WAIT_SLICE_MS);
+        int n = c->pending > c->lingering ? reap(&r, WAIT_SLICE_MS)
+                                          : reap_q(&r, c->bg, WAIT_SLICE_MS, 1);
         if (n < 0 && n != MRC_ECLOSED)
             return n;
         if (n == MRC_ECLOSED)

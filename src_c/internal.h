@@ -499,6 +499,7 @@ void tx_release_pt(mrc_conn *c, int err);
 void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, uint8_t *buf,
                   size_t len, uint64_t now);
 void rx_flush_acks_pt(mrc_ep *ep);
+void rx_sack_fill(const mrc_conn *c, uint32_t base, uint64_t sack[MRC_SACK_BITS / 64]);
 void rx_post_recv_pt(mrc_conn *c, mrc_op *op);
 void rx_release_pt(mrc_conn *c, int err);
 void rx_copy_run_pt(mrc_ep *ep);

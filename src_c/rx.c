@@ -29,6 +29,37 @@ static inline void rx_bit_set(mrc_conn *c, uint32_t psn, bool v)
         c->rx_bits[i >> 6] &= ~(1ull << (i & 63));
 }
 
+/* The 64 window bits of psn .. psn + 63 (their places wrap at the window). */
+static inline uint64_t rx_bits64(const mrc_conn *c, uint32_t psn)
+{
+    uint32_t i = psn & c->wmask, w = i >> 6, s = i & 63;
+    uint64_t lo = c->rx_bits[w] >> s;
+    if (!s)
+        return lo;
+    return lo | c->rx_bits[(w + 1) & (c->wmask >> 6)] << (64 - s);
+}
+
+/* An ACK's SACK block: bit i says psn base + i arrived, for the psns from the
+ * cumulative ack (base >= rx_cum) up to the end of the window; a word at a
+ * time (a bit at a time was the most expensive step of sending an ACK). */
+void rx_sack_fill(const mrc_conn *c, uint32_t base, uint64_t sack[MRC_SACK_BITS / 64])
+{
+    for (uint32_t k = 0; k < MRC_SACK_BITS / 64; k++) {
+        uint32_t psn = base + 64 * k;
+        /* Bit j counts when 0 <= o + j < window (a place outside that is
+         * another psn's). */
+        int64_t o = psn_diff(psn, c->rx_cum);
+        int64_t lo = o < 0 ? -o : 0, hi = (int64_t)c->window - o;
+        hi = hi > 64 ? 64 : hi;
+        if (hi <= lo) {
+            sack[k] = 0;
+            continue;
+        }
+        uint64_t mask = (hi == 64 ? ~0ull : (1ull << hi) - 1) & ~((1ull << lo) - 1);
+        sack[k] = rx_bits64(c, psn) & mask;
+    }
+}
+
 static void ack_need(mrc_conn *c, unsigned path, uint32_t psn, uint64_t ts)
 {
     c->ack_need |= 1ull << path;
@@ -604,15 +635,7 @@ void rx_flush_acks_pt(mrc_ep *ep)
                 base = far - (MRC_SACK_BITS - 1);
             a->sack_base = base;
             a->echo_psn = c->ack_echo_psn[ids[0]];
-            memset(a->sack, 0, sizeof(a->sack));
-            for (uint32_t i = 0; i < MRC_SACK_BITS; i++) {
-                uint32_t psn = base + i;
-                int32_t o = psn_diff(psn, c->rx_cum);
-                if (o >= (int32_t)c->window)
-                    break;
-                if (o >= 0 && rx_bit(c, psn))
-                    a->sack[i >> 6] |= 1ull << (i & 63);
-            }
+            rx_sack_fill(c, base, a->sack);
         }
     }
 }

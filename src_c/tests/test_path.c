@@ -318,8 +318,47 @@ static void test_far_echoes_split(void)
     teardown_paths();
 }
 
+/* The SACK block filled a word at a time equals the bit-by-bit definition:
+ * bit i is psn base + i's window bit when 0 <= psn - rx_cum < window, for
+ * windows smaller and larger than the block, bases on and off word
+ * boundaries (and before the cumulative ack), and psns wrapping at 2^32. */
+static void test_sack_fill_words(void)
+{
+    uint64_t rng = 12345;
+    static const uint32_t windows[] = {64, 128, 256, 512, 1024, 4096};
+    int checked = 0;
+    for (unsigned w = 0; w < sizeof(windows) / sizeof(windows[0]); w++) {
+        for (int round = 0; round < 200; round++) {
+            mrc_conn cc = {0};
+            cc.window = windows[w];
+            cc.wmask = cc.window - 1;
+            cc.rx_bits = calloc(cc.window / 64, sizeof(uint64_t));
+            for (uint32_t k = 0; k < cc.window / 64; k++) {
+                rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+                cc.rx_bits[k] = rng ^ (rng >> 17);
+            }
+            rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+            cc.rx_cum = (uint32_t)(rng >> 32) | (round & 1 ? 0xffffff00u : 0);
+            uint32_t base = cc.rx_cum + (uint32_t)(rng % 700) - 100;
+            uint64_t got[MRC_SACK_BITS / 64], want[MRC_SACK_BITS / 64] = {0};
+            rx_sack_fill(&cc, base, got);
+            for (uint32_t i = 0; i < MRC_SACK_BITS; i++) {
+                uint32_t psn = base + i;
+                int32_t o = psn_diff(psn, cc.rx_cum);
+                uint32_t at = psn & cc.wmask;
+                if (o >= 0 && o < (int32_t)cc.window && ((cc.rx_bits[at >> 6] >> (at & 63)) & 1))
+                    want[i >> 6] |= 1ull << (i & 63);
+            }
+            checked += memcmp(got, want, sizeof(got)) == 0;
+            free(cc.rx_bits);
+        }
+    }
+    CHECK(checked == 6 * 200);
+}
+
 int main(void)
 {
+    test_sack_fill_words();
     test_one_event_per_stall();
     test_three_events_fail();
     test_quick_rto_slack();
