@@ -96,9 +96,16 @@ def _cai_device(obj: Any) -> int:
     return int(cupy.cuda.runtime.pointerGetAttributes(ptr).device)
 
 
+_HOST_TYPES = (np.ndarray, bytes, bytearray, memoryview)
+
+
 def is_device(*objs: Any) -> bool:
-    """True if any of the buffers is in device memory."""
-    return any(o is not None and memory_of(o).kind == CUDA for o in objs)
+    """True if any of the buffers is in device memory (numpy arrays and Python
+    buffers never are: answered without asking, on every collective's path)."""
+    for o in objs:
+        if o is not None and type(o) not in _HOST_TYPES and memory_of(o).kind == CUDA:
+            return True
+    return False
 
 
 def segments(nbytes: int, esize: int, seg_bytes: int = SEGMENT_BYTES) -> Iterator[tuple[int, int]]:

@@ -115,7 +115,9 @@ def as_buffer(obj: Any, dtype: str | None, what: str, writable: bool) -> _Buf:
     """numpy arrays, torch CPU tensors, any buffer-protocol object (its format
     gives the dtype). bfloat16: dtype="bfloat16" with 2-byte storage (uint16)."""
     forced: str | None = None
-    if type(obj).__module__.startswith("torch"):
+    if type(obj) is np.ndarray:
+        arr = obj
+    elif type(obj).__module__.startswith("torch"):
         arr, forced = _torch_array(obj)
     elif isinstance(obj, np.ndarray):
         arr = obj
@@ -196,6 +198,7 @@ class Collectives:
         self._coll_worker: threading.Thread | None = None
         self._coll_closed = False
         self._coll_stats: dict[str, Any] = {"ops": 0, "by_kind": {}, "last": None}
+        self._coll_last: tuple[str, S.Packed, float] | None = None
 
     def _collectives_abort(self, err: CollectiveError) -> None:
         """The communicator failed (or was aborted): end the running collective."""
@@ -266,12 +269,7 @@ class Collectives:
             st["ops"] += 1
             kinds = st["by_kind"]
             kinds[packed.name] = kinds.get(packed.name, 0) + 1
-            st["last"] = {
-                "call": what,
-                "schedule": packed.name,
-                "seconds": time.perf_counter() - t0,
-                **packed.info,
-            }
+            self._coll_last = (what, packed, time.perf_counter() - t0)  # a dict when asked
             return
         raise self._failed(what, rc, peer)
 
@@ -282,6 +280,9 @@ class Collectives:
         communicator, if any."""
         st = dict(self._coll_stats)
         st["by_kind"] = dict(st["by_kind"])
+        if self._coll_last is not None:
+            what, packed, seconds = self._coll_last
+            st["last"] = {"call": what, "schedule": packed.name, "seconds": seconds, **packed.info}
         st["scratch_bytes"] = self._coll_exec.scratch_bytes
         st["failure"] = None if self._coll_failure is None else str(self._coll_failure)
         return st
