@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import mrc
+from mrc.collectives import rendezvous
 from mrc.collectives.communicator import launch_env, loopback_planes, rendezvous_port
 from mrc.collectives.rendezvous import UniqueId
 
@@ -271,6 +272,46 @@ def test_unreachable_rendezvous_names_rank_0() -> None:
     with pytest.raises(mrc.CollectiveError, match="could not reach the rendezvous of rank 0") as e:
         mrc.Communicator(1, 2, bad, timeout=0.5, planes=1)
     assert e.value.rank == 0
+
+
+@pytest.mark.parametrize("banner", [b"", b"SSH-2.0-OpenSSH_9.6\r\n"])
+def test_port_held_by_a_stranger_is_named_at_once(banner: bytes) -> None:
+    """Rank 0 finds its rendezvous port taken (by a program left from another job, say)
+    and joins whoever listens there: a listener that does not greet as an mrc rendezvous
+    is a clear error within the greeting time, not a wait for the whole timeout."""
+    import socket
+
+    with socket.socket() as lsock:
+        lsock.bind(("127.0.0.1", 0))
+        lsock.listen(8)
+        port = int(lsock.getsockname()[1])
+        held: list[socket.socket] = []
+
+        def answer() -> None:
+            while True:
+                try:
+                    conn, _ = lsock.accept()
+                except OSError:
+                    return
+                held.append(conn)
+                if banner:
+                    conn.sendall(banner)
+
+        threading.Thread(target=answer, daemon=True).start()
+        uid = UniqueId("127.0.0.1", port, "ab" * 16).pack()
+        t0 = time.monotonic()
+        with pytest.raises(mrc.CollectiveError, match="is not an mrc rendezvous") as e:
+            mrc.Communicator(0, 2, uid, timeout=30, planes=1)
+        took = time.monotonic() - t0
+        for conn in held:
+            conn.close()
+    assert e.value.rank == 0
+    assert f"127.0.0.1 port {port}" in str(e.value)
+    assert took < rendezvous.GREETING_S + 5  # the greeting's wait, not the 30 s timeout
+    if banner:
+        assert took < 5 and "its first line is not ours" in str(e.value)
+    else:
+        assert "said nothing for 10 s" in str(e.value)
 
 
 def test_two_ranks_with_the_same_number() -> None:

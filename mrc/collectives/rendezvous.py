@@ -37,9 +37,13 @@ from typing import Any
 
 from mrc.errors import CollectiveError, UsageError
 
-VERSION = 1
+VERSION = 2  # 2: the server greets every connection first
 MAGIC = "mrc-uid"
 _MAX_LINE = 1 << 20  # a join carries a few addresses; a longer line is not one of ours
+# A rendezvous greets a connection as it accepts it. Something else that holds the port
+# (rank 0 could not bind it, and joins whoever listens there) is found out this soon,
+# instead of every rank waiting the whole timeout for an answer that never comes.
+GREETING_S = 10.0
 
 
 def heartbeat_interval(timeout: float) -> float:
@@ -200,6 +204,11 @@ class RendezvousServer:
         sock.setblocking(True)  # small writes; reads only when the selector says so
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = _Peer(sock, f"{addr[0]}:{addr[1]}")
+        try:
+            _send(sock, {"op": "hello", "version": VERSION})
+        except OSError:
+            sock.close()
+            return
         self._peers.append(peer)
         self._sel.register(sock, selectors.EVENT_READ, peer)
 
@@ -396,6 +405,43 @@ class RendezvousClient:
         self._buf = b""
         self._closed = False
         self._monitor: threading.Thread | None = None
+        try:
+            self._greeted(min(timeout, GREETING_S))
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def _greeted(self, wait: float) -> None:
+        """The server's first line, within `wait` seconds, must be an mrc rendezvous'
+        greeting."""
+        where = f"{self.uid.addr} port {self.uid.port}"
+        stranger = (
+            f"the rendezvous address {where} is held by a program that is not an mrc "
+            "rendezvous (rank 0 found the port taken in its namespace and joined whoever "
+            "listens there): free the port, or give the ranks another MRC_PORT"
+        )
+        try:
+            msg = self._recv(time.monotonic() + wait)
+        except TimeoutError:
+            raise CollectiveError(
+                f"{stranger}; it accepted the connection and said nothing for {wait:g} s",
+                rank=0,
+            ) from None
+        except ValueError:
+            raise CollectiveError(f"{stranger}; its first line is not ours", rank=0) from None
+        if msg is None:
+            raise CollectiveError(
+                f"the rendezvous at {where} closed the connection before greeting it "
+                "(not an mrc rendezvous, or it is shutting down)",
+                rank=0,
+            )
+        if not isinstance(msg, dict) or msg.get("op") != "hello":
+            raise CollectiveError(f"{stranger}; its first line is not ours", rank=0)
+        if msg.get("version") != VERSION:
+            raise UsageError(
+                f"the rendezvous at {where} speaks protocol version {msg.get('version')}, "
+                f"this rank {VERSION} (different mrc versions on the ranks)"
+            )
 
     def _connect(self, deadline: float) -> socket.socket:
         # Rank 0 may start its server after the others start (from_env): retry refusals.
