@@ -87,6 +87,34 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+# Run in rank 0's namespace: n ports free on every address there, held together.
+_FREE_PORTS_CODE = (
+    "import socket,sys\n"
+    "s=[socket.socket(socket.AF_INET6) for _ in range(int(sys.argv[1]))]\n"
+    "[x.bind(('::',0)) for x in s]\n"
+    "print(*[x.getsockname()[1] for x in s])"
+)
+
+
+def free_ports_in(prefix: str, host: str, n: int) -> list[int]:
+    """n distinct TCP ports free in the namespace of a fabric host, where rank 0 will
+    listen (ports free in the launcher's own namespace say nothing about it)."""
+    from mrc.fabric import netns
+
+    argv = netns.exec_argv(prefix, host, [sys.executable, "-S", "-c", _FREE_PORTS_CODE, str(n)])
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True)
+        ports = [int(p) for p in out.stdout.split()]
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        raise click.ClickException(
+            f"cannot find free ports on fabric host {host}: {detail}"
+        ) from None
+    if len(ports) != n:
+        raise click.ClickException(f"cannot find free ports on fabric host {host}: {out.stdout!r}")
+    return ports
+
+
 def exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
@@ -174,8 +202,13 @@ def _plan_fabric(
             raise click.UsageError(
                 f"no host {h!r} in fabric {fab.name} (hosts: {', '.join(names)})"
             )
+    # The rendezvous (and a program's own store) listen in rank 0's host namespace:
+    # ports free there, not in the launcher's.
+    master_port, mrc_port = free_ports_in(name, hosts[0], 2)
     common = {
         **common,
+        "MASTER_PORT": str(master_port),
+        "MRC_PORT": str(mrc_port),
         "MASTER_ADDR": fab.host(hosts[0]).addrs[0],
         "MRC_FABRIC": str(FsPath(fabric).resolve()),
         "MRC_FABRIC_NAME": name,

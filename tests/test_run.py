@@ -205,6 +205,28 @@ def test_plan_on_a_fabric_needs_it_up(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 @pytest.mark.root
+def test_fabric_ports_are_free_in_rank_0s_namespace() -> None:
+    """On a fabric the rendezvous listens in rank 0's host namespace: mrc-run takes
+    MRC_PORT and MASTER_PORT free there (a port free in the launcher's namespace may be
+    held in the host's), and both can be bound there."""
+    from mrc.fabric import netns
+
+    fabric = str(ROOT / "routing/2host-2plane.toml")
+    with fabric_up(fabric) as fab:
+        ranks = plan(2, ["true"], fabric=fabric, name=fab.prefix)
+        ports = [int(ranks[0].env["MRC_PORT"]), int(ranks[0].env["MASTER_PORT"])]
+        assert ports[0] != ports[1] and all(r.env["MRC_PORT"] == str(ports[0]) for r in ranks)
+        code = (
+            "import socket,sys\n"
+            "for p in sys.argv[1:]:\n"
+            "    socket.socket(socket.AF_INET6).bind(('::', int(p)))\n"
+        )
+        argv = netns.exec_argv(fab.prefix, "h0", [sys.executable, "-c", code, *map(str, ports)])
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.root
 def test_mrc_run_on_a_namespace_fabric() -> None:
     """4 ranks, each in its host's namespace: the mesh carries checked data on every
     path of the route table between the hosts."""
