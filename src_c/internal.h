@@ -258,6 +258,9 @@ struct mrc_conn {
     int state;          /* [lock] for the API, written by the progress thread */
     int error;          /* [lock] */
     int hs_fd;          /* handshake TCP socket while connecting */
+    /* The datapath took a packet from the peer: it is live (it sends only once
+     * it has our hello), `ready` or not (mrc_conn_establish). */
+    atomic_bool rx_seen;
     int npeer_planes;
     struct sockaddr_storage peer_planes[MRC_MAX_PLANES];
     uint32_t mss, window, wmask;
@@ -425,6 +428,7 @@ struct mrc_ep {
     struct mrc_ep_stats st;
     bool work;               /* this loop iteration did something */
     bool tx_stall;           /* testing: every sendmmsg 'fails' with EAGAIN */
+    bool testing_no_ready;   /* [const after set] testing: connect() never sends `ready` */
 };
 
 static inline unsigned op_cv_index(const void *op)

@@ -505,6 +505,8 @@ void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, ui
         DROP(ep, BAD_PATH);
         return;
     }
+    if (unlikely(!atomic_load_explicit(&c->rx_seen, memory_order_relaxed)))
+        atomic_store_explicit(&c->rx_seen, true, memory_order_release);
     /* Bytes are payload bytes: an ACK's further echoes are not. */
     uint32_t payload = h->type == MRC_PKT_WRITE || h->type == MRC_PKT_SEND ? h->len : 0;
     ep->st.rx_pkts++;

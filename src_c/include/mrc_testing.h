@@ -25,6 +25,11 @@ int mrc_ep_rx_inject(mrc_ep *ep, int plane, const void *pkt, size_t len, const c
  * EAGAIN: packets stay queued in their batches (a socket that stays full). */
 int mrc_ep_testing_tx_stall(mrc_ep *ep, int on);
 
+/* While on, the endpoint's connects never send `ready` after the hellos (a
+ * TCP exchange that dies once the hellos are through): the server must see
+ * the client live on the datapath instead. Set before connecting. */
+int mrc_ep_testing_no_ready(mrc_ep *ep, int on);
+
 /* This endpoint's id for the connection (what a peer puts in `conn`). */
 uint32_t mrc_conn_id(const mrc_conn *c);
 /* The peer's id for it (what we put in `conn`). */
