@@ -722,7 +722,7 @@ int mrc_ep_accept(mrc_ep *ep, int timeout_ms, mrc_conn **out)
 
 /* How often the server, waiting for `ready`, looks whether the datapath has
  * heard from the client meanwhile. */
-#define READY_SLICE_MS 5
+#define READY_SLICE_NS 5000000ull
 
 /* The client's `ready`, or any packet from it on the datapath: it sends one
  * only after it took our hello, so either says it is live. The TCP exchange
@@ -739,13 +739,11 @@ static int ready_wait(mrc_conn *c, uint64_t dl)
         uint64_t now = now_ns();
         if (now >= dl)
             return MRC_ETIMEOUT;
-        uint64_t left_ms = (dl - now) / 1000000ull + 1;
-        struct pollfd p = {.fd = c->hs_fd, .events = POLLIN};
-        int n = poll(&p, 1, left_ms < READY_SLICE_MS ? (int)left_ms : READY_SLICE_MS);
-        if (n < 0 && errno != EINTR)
-            return -errno;
-        if (n <= 0)
-            continue;
+        int rc = io_wait(c->hs_fd, POLLIN, dl - now > READY_SLICE_NS ? now + READY_SLICE_NS : dl);
+        if (rc == MRC_ETIMEOUT)
+            continue; /* a slice: look at the datapath again */
+        if (rc)
+            return rc;
         uint8_t ready = 0;
         ssize_t got = recv(c->hs_fd, &ready, 1, MSG_DONTWAIT);
         if (got == 1)
