@@ -115,6 +115,13 @@ def free_ports_in(prefix: str, host: str, n: int) -> list[int]:
     return ports
 
 
+def ports(master_port: int, mrc_port: int) -> dict[str, str]:
+    return {
+        "MASTER_PORT": str(master_port),  # for the program's own torch store, if any
+        "MRC_PORT": str(mrc_port),  # the communicator's rendezvous
+    }
+
+
 def exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
@@ -144,12 +151,9 @@ def plan(
     if not cmd:
         raise click.UsageError("no command: mrc-run -n N -- CMD [ARGS...]")
     env0 = dict(os.environ if base_env is None else base_env)
-    master_port, mrc_port = free_ports(2)
     common = {
         "WORLD_SIZE": str(n),
         "LOCAL_WORLD_SIZE": str(n),
-        "MASTER_PORT": str(master_port),  # for the program's own torch store, if any
-        "MRC_PORT": str(mrc_port),  # the communicator's rendezvous
         "MRC_RUN_ID": secrets.token_hex(8),
         "PYTHONUNBUFFERED": "1",  # lines come out as they are printed, not at exit
     }
@@ -161,6 +165,7 @@ def plan(
         if hosts:
             raise click.UsageError("--hosts needs --fabric")
         common["MASTER_ADDR"] = "127.0.0.1"
+        common.update(ports(*free_ports(2)))
         return [
             Rank(r, list(cmd), {**env0, **common, "RANK": str(r), "LOCAL_RANK": str(r)})
             for r in range(n)
@@ -204,11 +209,9 @@ def _plan_fabric(
             )
     # The rendezvous (and a program's own store) listen in rank 0's host namespace:
     # ports free there, not in the launcher's.
-    master_port, mrc_port = free_ports_in(name, hosts[0], 2)
     common = {
         **common,
-        "MASTER_PORT": str(master_port),
-        "MRC_PORT": str(mrc_port),
+        **ports(*free_ports_in(name, hosts[0], 2)),
         "MASTER_ADDR": fab.host(hosts[0]).addrs[0],
         "MRC_FABRIC": str(FsPath(fabric).resolve()),
         "MRC_FABRIC_NAME": name,
