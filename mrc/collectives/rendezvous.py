@@ -420,6 +420,7 @@ class RendezvousClient:
             "rendezvous (rank 0 found the port taken in its namespace and joined whoever "
             "listens there): free the port, or give the ranks another MRC_PORT"
         )
+        msg: Any
         try:
             msg = self._recv(time.monotonic() + wait)
         except TimeoutError:
@@ -428,7 +429,7 @@ class RendezvousClient:
                 rank=0,
             ) from None
         except ValueError:
-            raise CollectiveError(f"{stranger}; its first line is not ours", rank=0) from None
+            msg = "not JSON"  # refused below as not a greeting
         if msg is None:
             raise CollectiveError(
                 f"the rendezvous at {where} closed the connection before greeting it "
