@@ -457,7 +457,7 @@ def exec_argv(prefix: str, host: str, cmd: Sequence[str]) -> list[str]:
 
 
 def link_counters(prefix: str, element: str) -> dict[str, dict[str, int]]:
-    """Per-interface rx/tx packet counters in an element's namespace."""
+    """Per-interface rx/tx packet and byte counters in an element's namespace."""
     out = _run(["ip", "-n", ns_name(prefix, element), "-s", "-j", "link", "show"])
     stats: dict[str, dict[str, int]] = {}
     for dev in json.loads(out):
@@ -465,5 +465,7 @@ def link_counters(prefix: str, element: str) -> dict[str, dict[str, int]]:
         stats[dev["ifname"]] = {
             "rx_packets": int(s["rx"]["packets"]),
             "tx_packets": int(s["tx"]["packets"]),
+            "rx_bytes": int(s["rx"]["bytes"]),
+            "tx_bytes": int(s["tx"]["bytes"]),
         }
     return stats
