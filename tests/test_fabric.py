@@ -132,6 +132,9 @@ def test_loss_on_a_link(fab4: RunningFabric) -> None:
         got = rx.result.counts.get("x", 0)
         assert 200 <= got <= 340, got  # 280 expected; binomial sd ~9
         assert got + fab4.loss_drops("h3-p1l1") == 400
+        # All of it travelled towards h3; the other direction's rule dropped nothing.
+        assert fab4.loss_drops("h3-p1l1", towards="h3") == 400 - got
+        assert fab4.loss_drops("h3-p1l1", towards="p1l1") == 0
     finally:
         fab4.loss("h3-p1l1", 0)
     with UdpReceiver(fab4, "h3", [p.dst_addr], expect={"y": 100}) as rx:

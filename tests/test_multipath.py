@@ -248,27 +248,35 @@ def test_link_flaps_every_200ms(clean: Any, mode: str) -> None:
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_one_link_drops_2_percent(clean: Any, mode: str) -> None:
-    clean.loss("p1l0-p1s0", 2)
-    spines = spine_bytes(clean)
-    t = Transfer(clean, mode)
-    try:
-        client = verified(t)
+    """2% of the packets on one leaf-spine link dropped: the transfer completes byte-exact,
+    and the client detects and retransmits what the link dropped. That link is one path of
+    eight and may carry little: a path that loses is out of service until a probe gets
+    through, and delay-based windows share a busy host's paths unevenly (one path carried
+    1.5% of a transfer's packets in a run here), so a transfer can cross it with no data
+    packet dropped (CI saw that twice). Up to 3 transfers run until one had a drop."""
+    link, spine = "p1l0-p1s0", "p1s0"
+    clean.loss(link, 2)
+    via = path_ids(clean, lambda p: p.spine == spine)
+    for _attempt in range(3):
+        spines = spine_bytes(clean)
+        before = clean.loss_drops(link, towards=spine)  # the client's direction
+        t = Transfer(clean, mode)
+        try:
+            client = verified(t)
+        finally:
+            t.kill()
         assert_on_their_spines(clean, spines, client, kept=0.98)
-        # Which case a miss is (seen once in CI, not reproduced): no traffic on the
-        # link's paths (their state and packets say why), or traffic and no drops.
-        via = path_ids(clean, lambda p: p.spine == "p1s0")
-        seen = [
-            {k: p.get(k) for k in ("path", "state", "tx_pkts", "rx_pkts", "lost", "state_changes")}
-            for p in client["stats"]["paths"]
-            if p["path"] in via
-        ]
-        drops = clean.loss_drops("p1l0-p1s0")
-        assert drops > 0, f"no drops; the paths through p1s0: {seen}"
-        assert client["stats"]["retx"] > 0, (
-            f"{drops} drops, no retx; the paths through p1s0: {seen}"
-        )
-    finally:
-        t.kill()
+        dropped = clean.loss_drops(link, towards=spine) - before
+        if dropped:
+            break
+    seen = [
+        {k: p.get(k) for k in ("path", "state", "tx_pkts", "lost", "retx", "state_changes")}
+        for p in client["stats"]["paths"]
+        if p["path"] in via
+    ]
+    assert dropped > 0, f"3 transfers, no packet dropped towards {spine}; its paths: {seen}"
+    assert sum(p["lost"] for p in seen) > 0, f"{dropped} dropped, none seen lost: {seen}"
+    assert client["stats"]["retx"] > 0, f"{dropped} dropped, nothing retransmitted: {seen}"
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -413,10 +413,17 @@ def set_loss(prefix: str, link_name: str, percent: float) -> State:
     return state
 
 
-def loss_drops(prefix: str, link_name: str) -> int:
-    """Packets dropped so far by the loss rules of `link_name` (both directions)."""
+def loss_drops(prefix: str, link_name: str, towards: str | None = None) -> int:
+    """Packets dropped so far by the loss rules of `link_name`: both directions, or only
+    those travelling towards the link's end `towards` (a node name)."""
     _state, fabric = _load(prefix)
-    switch, dev = loss_switch(fabric, fabric.link(link_name))
+    link = fabric.link(link_name)
+    switch, dev = loss_switch(fabric, link)
+    if towards is not None and towards not in (link.a, link.b):
+        raise FabricNetError(f"{towards} is not an end of link {link.name} ({link.a}, {link.b})")
+    # At the switch, packets towards the link's other end leave through dev (oifname);
+    # packets towards the switch come in through it (iifname).
+    meta = None if towards is None else ("iifname" if towards == switch else "oifname")
     cmd = ["ip", "netns", "exec", ns_name(prefix, switch), "nft", "-j", "list", "ruleset"]
     total = 0
     for item in json.loads(_run(cmd))["nftables"]:
@@ -424,7 +431,12 @@ def loss_drops(prefix: str, link_name: str) -> int:
         if not rule or rule.get("table") != NFT_TABLE:
             continue
         exprs = rule["expr"]
-        if any(e.get("match", {}).get("right") == dev for e in exprs):
+        matches = [e["match"] for e in exprs if "match" in e]
+        if any(
+            m.get("right") == dev
+            and (meta is None or m.get("left", {}).get("meta", {}).get("key") == meta)
+            for m in matches
+        ):
             total += sum(e["counter"]["packets"] for e in exprs if "counter" in e)
     return total
 

@@ -79,8 +79,8 @@ class RunningFabric:
     def loss(self, link: str, percent: float) -> None:
         netns.set_loss(self.prefix, link, percent)
 
-    def loss_drops(self, link: str) -> int:
-        return netns.loss_drops(self.prefix, link)
+    def loss_drops(self, link: str, towards: str | None = None) -> int:
+        return netns.loss_drops(self.prefix, link, towards)
 
     def counters(self, element: str) -> dict[str, dict[str, int]]:
         return netns.link_counters(self.prefix, element)
