@@ -212,6 +212,80 @@ def test_shares_are_optimal_against_a_simplex_grid(n: int) -> None:
     assert m.share_time(m.shares(s, g), s, g) <= float(grid_time(grid, s, g).min()) * (1 + 1e-12)
 
 
+def grid_time_host(grid: np.ndarray, s: list[float], g: list[float], h: float) -> np.ndarray:
+    """grid_time plus the hosts' own cost, from its definition: (sent + received) / h."""
+    n = grid.shape[1]
+    others = grid.sum(axis=1, keepdims=True) - grid
+    sent = others + (n - 1) * grid
+    recv = (n - 1) * grid + others
+    wire = np.maximum(sent / np.array(s), recv / np.array(g))
+    return np.max(wire + (sent + recv) / h, axis=1)
+
+
+@pytest.mark.parametrize("n", (3, 4))
+def test_host_rate_model_against_its_definition(n: int) -> None:
+    """With a host rate: share_time on host_limited rates is the definition's time, the
+    resilient shares are optimal on a simplex grid, and the lower bound (proved for any
+    AllReduce) is below everything and met when each rank's directions are equal."""
+    rng = np.random.default_rng(4000 + n)
+    grid = simplex_grid(n, 100)
+    for rates, h in [
+        (m.degraded_rates(n, 0.25), 2.5),  # the shaped fabric's case: h 5x one plane
+        (m.degraded_rates(n, 0.5), 0.7),  # the host slower than the links
+        (list(rng.uniform(0.2, 1, n)), float(rng.uniform(0.5, 5))),
+    ]:
+        hs, hg = m.host_limited(rates, rates, h)
+        for row in grid[rng.integers(0, len(grid), 20)]:
+            got = float(grid_time_host(row[None, :], rates, rates, h)[0])
+            assert close(got, m.share_time(list(row / row.sum()), hs, hg), 1e-12)
+        best = m.share_time(m.shares(hs, hg), hs, hg)
+        brute = float(grid_time_host(grid, rates, rates, h).min())
+        bound = m.lower_bound(rates, rates, 1.0, h)
+        assert bound * (1 - 1e-12) <= best <= brute * (1 + 1e-12)
+        assert close(best, bound, 1e-12)
+        assert bound > m.lower_bound(rates, rates)  # the host only ever adds time
+    for _ in range(20):  # directions differ: the bound still holds against the grid
+        s, g = list(rng.uniform(0.2, 1, n)), list(rng.uniform(0.2, 1, n))
+        h = float(rng.uniform(0.5, 5))
+        assert m.lower_bound(s, g, 1.0, h) <= float(grid_time_host(grid, s, g, h).min()) * (
+            1 + 1e-12
+        )
+
+
+def test_fit_host_rate_round_trip_and_refusals() -> None:
+    b, h, n, d = 5e8, 2.5e9, 4, 64 << 20
+    rates = [b] * n
+    hs, hg = m.host_limited(rates, rates, h)
+    measured = m.share_time([1 / n] * n, hs, hg, d)
+    wire = m.share_time([1 / n] * n, rates, rates, d)
+    assert close(m.fit_host_rate(n, d, measured, wire), h, 1e-12)
+    # Healthy with the host: the ring's 2(n-1)/n D (1/B + 2/H).
+    assert close(measured, 1.5 * d * (1 / b + 2 / h), 1e-12)
+    for bad in ((n, d, wire, wire), (n, d, wire * 0.9, wire), (1, d, 2.0, 1.0), (n, 0, 2.0, 1.0)):
+        with pytest.raises(UsageError, match="no host cost to fit"):
+            m.fit_host_rate(*bad)
+    for bad_h in (0, -1.0, float("nan"), float("inf"), "fast", True):
+        with pytest.raises(UsageError, match="host_rate"):
+            m.host_limited(rates, rates, bad_h)  # type: ignore[arg-type]
+
+
+def test_planner_with_host_rate_moves_shares_towards_equal() -> None:
+    """The host's cost is the same at every rank, so it dilutes the degraded rank's
+    handicap: its share grows towards 1/n as the host gets slower; a host far faster than
+    the links changes nothing; equal links still give equal shares."""
+    dr = m.degraded_rates(4, 0.25)
+    k = dr.index(min(dr))
+    wire = m.plan(dr, 1.0)
+    assert wire.name == "resilient" and close(wire.shares[k], 0.1)
+    fast = m.plan(dr, 1.0, host_rate=1e12)
+    assert all(close(a, b, 1e-9) for a, b in zip(fast.shares, wire.shares, strict=True))
+    d_share = [m.plan(dr, 1.0, host_rate=h).shares[k] for h in (20.0, 5.0, 2.0)]
+    assert 0.1 < d_share[0] < d_share[1] < d_share[2] < 0.25
+    # The shaped fabric's fit (host 5x the 4-plane rate): 0.136, as measured shares go.
+    assert m.plan(dr, 1.0, host_rate=5.0).shares[k] == pytest.approx(0.1363, abs=1e-4)
+    assert m.plan([1.0] * 4, 1.0, host_rate=2.0).shares == (0.25,) * 4
+
+
 def test_resilient_shares_closed_form() -> None:
     for n in (3, 4, 16, 64):
         for x in FRACTIONS:

@@ -123,6 +123,49 @@ def split_bandwidths(bandwidths: Any) -> tuple[list[float], list[float]]:
     return _check_rates(items, items)
 
 
+# The host's own cost -----------------------------------------------------------------------
+
+
+def _check_host_rate(host_rate: object) -> float:
+    if isinstance(host_rate, bool) or not isinstance(host_rate, int | float):
+        raise UsageError(f"host_rate must be a number of bytes/s, got {host_rate!r}")
+    h = float(host_rate)
+    if not math.isfinite(h) or h <= 0.0:
+        raise UsageError(f"host_rate must be finite and > 0 bytes/s, got {host_rate!r}")
+    return h
+
+
+def host_limited(
+    bw_send: Rates, bw_recv: Rates, host_rate: float
+) -> tuple[list[float], list[float]]:
+    """Per-rank rates once the host's own cost per byte counts too (docs/collectives-model.md,
+    section 7). A host that handles H bytes/s of traffic (sent plus received: copies,
+    system calls, and on a namespace fabric the forwarding, all on the same cores) adds
+    (sent + received) / H to a rank's wire time. Every schedule of this model has each rank
+    receive what it sends, so that is bytes * (1/min(s_r, g_r) + 2/H): the time at the rate
+    m'_r = 1 / (1/min(s_r, g_r) + 2/H), returned for both directions."""
+    s, g = _check_rates(bw_send, bw_recv)
+    h = _check_host_rate(host_rate)
+    m = [1.0 / (1.0 / min(a, b) + 2.0 / h) for a, b in zip(s, g, strict=True)]
+    return m, list(m)
+
+
+def fit_host_rate(n: int, nbytes: float, measured_s: float, wire_s: float) -> float:
+    """The host rate H that makes the model's healthy (equal rates) AllReduce take
+    `measured_s`: the time above the wire's, measured_s - wire_s, is each rank's
+    2 * 2(n-1)/n * nbytes bytes (sent and received) at H. UsageError when the measurement
+    is not above the wire time (then nothing is the host's)."""
+    n = _check_ranks(n)
+    d = _check_nbytes(nbytes)
+    extra = float(measured_s) - float(wire_s)
+    if n == 1 or d == 0.0 or not extra > 0.0 or not math.isfinite(extra):
+        raise UsageError(
+            f"no host cost to fit: measured {measured_s!r} s is not above the wire's "
+            f"{wire_s!r} s for {n} ranks x {nbytes!r} bytes"
+        )
+    return 2.0 * healthy_ring_factor(n) * d / extra
+
+
 # Candidate times, general per-rank rates ----------------------------------------------------
 
 
@@ -199,7 +242,9 @@ def share_time(
     return d * (rs + ag)
 
 
-def lower_bound(bw_send: Rates, bw_recv: Rates, nbytes: float = 1.0) -> float:
+def lower_bound(
+    bw_send: Rates, bw_recv: Rates, nbytes: float = 1.0, host_rate: float | None = None
+) -> float:
     """No AllReduce can finish faster (docs/collectives-model.md, "The lower bound"):
 
         T >= D * max( max_r 1/s_r, max_r 1/g_r, 2(n-1)/sum(s), 2(n-1)/sum(g) )
@@ -208,6 +253,11 @@ def lower_bound(bw_send: Rates, bw_recv: Rates, nbytes: float = 1.0) -> float:
     together must send (and receive) at least 2(n-1) D (each element needs 2(n-1)
     transmissions, as in one-way gossip). With every rate B it is the healthy ring's
     2(n-1)/n D/B.
+
+    host_rate H (section 7): a rank's time is at least max(sent/s_r, recv/g_r) +
+    (sent + recv)/H, so the cut becomes max(1/s_r, 1/g_r) + 2/H and, as max(a/s, b/g) >=
+    (a+b)/(s+g), the total 4(n-1) D / sum_r 1/(1/(s_r+g_r) + 1/H); with s_r = g_r = B
+    everywhere it is the healthy ring's 2(n-1)/n D (1/B + 2/H).
     """
     s, g = _check_rates(bw_send, bw_recv)
     n = len(s)
@@ -215,6 +265,13 @@ def lower_bound(bw_send: Rates, bw_recv: Rates, nbytes: float = 1.0) -> float:
         return 0.0
     d = _check_nbytes(nbytes)
     total = 2.0 * (n - 1)
+    if host_rate is not None:
+        h = _check_host_rate(host_rate)
+        per_rank = math.fsum(1.0 / (1.0 / (a + b) + 1.0 / h) for a, b in zip(s, g, strict=True))
+        return d * max(
+            max(max(1.0 / a, 1.0 / b) + 2.0 / h for a, b in zip(s, g, strict=True)),
+            2.0 * total / per_rank,
+        )
     return d * max(
         max(1.0 / v for v in s),
         max(1.0 / v for v in g),
@@ -467,12 +524,19 @@ class Plan(NamedTuple):
 
 
 def candidates(
-    bandwidths: Any, nbytes: float, alpha: float = 0.0, *, overlap: bool = True
+    bandwidths: Any,
+    nbytes: float,
+    alpha: float = 0.0,
+    *,
+    overlap: bool = True,
+    host_rate: float | None = None,
 ) -> list[Candidate]:
     """Every modelled AllReduce for these per-rank bandwidths (bytes/s; see
     split_bandwidths), nbytes per rank and alpha seconds per dependent hop. overlap: the
-    executor runs a chunk's all-gather while later chunks reduce-scatter (share_time)."""
-    s, g = split_bandwidths(bandwidths)
+    executor runs a chunk's all-gather while later chunks reduce-scatter (share_time).
+    host_rate: the hosts' own bytes/s (host_limited); None: the wire alone."""
+    link_s, link_g = split_bandwidths(bandwidths)
+    s, g = (link_s, link_g) if host_rate is None else host_limited(link_s, link_g, host_rate)
     d = _check_nbytes(nbytes)
     alpha = float(alpha)
     if not math.isfinite(alpha) or alpha < 0.0:
@@ -503,7 +567,7 @@ def candidates(
             f"R2CC's rings at Y*={y:.4f}; as shares (r2cc_shares) it is never below resilient",
         ),
         Candidate(
-            "lower_bound", None, lat_direct + lower_bound(s, g, d), False,
+            "lower_bound", None, lat_direct + lower_bound(link_s, link_g, d, host_rate), False,
             "no AllReduce is faster (alpha: a direct schedule's 2 hops)",
         ),
     ]  # fmt: skip
@@ -516,16 +580,22 @@ def plan(
     *,
     min_gain: float = MIN_GAIN,
     overlap: bool = True,
+    host_rate: float | None = None,
 ) -> Plan:
     """The schedule to run: the fastest runnable candidate, except that equal shares stay
     unless the other is predicted at least `min_gain` (a fraction) faster. Equal bandwidths
     give equal shares; a rank that lost a plane gives the resilient shares for large
     messages; small ones, where 2 alpha dwarfs the bytes, keep equal shares. With
     overlap=False (an executor with a barrier between the phases) no shares beat equal
-    ones when the ranks' two directions match, so the plan stays equal."""
+    ones when the ranks' two directions match, so the plan stays equal. host_rate: the
+    hosts' own bytes/s (host_limited), which can move the best shares towards equal ones."""
     if not 0.0 <= min_gain < 1.0:
         raise UsageError(f"min_gain must be a fraction in [0, 1), got {min_gain!r}")
-    table = [c for c in candidates(bandwidths, nbytes, alpha, overlap=overlap) if c.runnable]
+    table = [
+        c
+        for c in candidates(bandwidths, nbytes, alpha, overlap=overlap, host_rate=host_rate)
+        if c.runnable
+    ]
     base = table[0]
     assert base.name == "equal" and base.shares is not None
     pick = base
