@@ -422,6 +422,30 @@ def test_cli_json_has_exactly_the_keys() -> None:
     assert obj["mrc"] == obj["lower_bound"] == 1.6  # printed to 15 digits: no 1.6000000000000003
 
 
+def test_cli_json_with_a_host_rate() -> None:
+    """--host-rate 5 (hosts handle 5 B of traffic): the same keys; healthy is the ring's
+    1.5 (1 + 2/5); mrc meets the bound with the host; R2CC as shares on host-limited rates
+    at the wire model's Y*; a host far faster than the links gives the wire's numbers."""
+
+    def run(*extra: str) -> dict:
+        res = CliRunner().invoke(perf_main, ["model", "-n", "4", "-x", "1/4", "--json", *extra])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.output)
+
+    obj = run("--host-rate", "5")
+    assert list(obj) == list(m.KEYS)
+    rates = m.degraded_rates(4, 0.25)
+    hs, _ = m.host_limited(rates, rates, 5.0)
+    assert obj["healthy"] == pytest.approx(1.5 * (1 + 2 / 5), rel=1e-14)
+    assert obj["mrc"] == pytest.approx(obj["lower_bound"], rel=1e-14)
+    assert obj["lower_bound"] == pytest.approx(m.lower_bound(rates, rates, 1.0, 5.0), rel=1e-14)
+    assert obj["y_opt"] == pytest.approx(3 / 11, rel=1e-14)  # the wire's Y*
+    shares = m.r2cc_shares(4, rates.index(min(rates)), 3 / 11)
+    assert obj["split_opt"] == pytest.approx(m.share_time(shares, hs, hs), rel=1e-14)
+    assert obj["lower_bound"] < obj["split_opt"] < obj["ring"]
+    assert run("--host-rate", "1e12") == pytest.approx(run(), rel=1e-9)
+
+
 def test_cli_entry_point_json() -> None:
     """The installed command line (a real process), 0.5 written as a decimal."""
     out = subprocess.run(
@@ -457,6 +481,8 @@ def test_cli_table_at_scale_and_plot(tmp_path) -> None:
         (["-n", "0", "-x", "0.1"], "0 ranks: must be >= 1"),
         (["-n", "4", "-x", "half"], "'half' is not a fraction"),
         (["-x", "0.1"], "Missing option '-n' / '--ranks'"),
+        (["-n", "4", "-x", "0.1", "--host-rate", "0"], "0: must be > 0"),
+        (["-n", "4", "-x", "0.1", "--host-rate", "fast"], "'fast' is not a number"),
     ],
 )
 def test_cli_bad_input(args: list[str], message: str) -> None:

@@ -485,19 +485,33 @@ def resilient_shares_closed(n: int, x: float) -> tuple[float, float]:
     return (n - 2 - (2 * n - 3) * x) / den, (n - 2 + x) / den
 
 
-def summary(n: int, x: float) -> dict[str, float]:
+def summary(n: int, x: float, host_rate: float | None = None) -> dict[str, float]:
     """The model of `mrc-perf model`: each key of KEYS, computed from the general
     per-rank functions (not the closed forms, which the tests check against this), in
-    units of D/B with no latency term. `mrc` is what plan() picks."""
-    rates = degraded_rates(n, x)
-    healthy = [1.0] * len(rates)
-    y_opt = r2cc_y_opt(rates, rates)
-    picked = plan(rates, 1.0, 0.0)
+    units of D/B with no latency term. `mrc` is what plan() picks.
+
+    host_rate (in units of B) adds the hosts' own cost (section 7): ring, healthy and mrc
+    at host_limited rates, the bound with the host. R2CC's rings have no form with a host
+    term (their sub-ring runs in leftover wire bandwidth, the host is shared), so its two
+    splits, at the wire model's Y* and at Y = X, are given as mrc runs them: as shares of
+    the direct schedule (r2cc_shares), which the host model times exactly."""
+    link = degraded_rates(n, x)
+    healthy = [1.0] * len(link)
+    y_opt = r2cc_y_opt(link, link)
+    picked = plan(link, 1.0, 0.0, host_rate=host_rate)
+    if host_rate is None:
+        split_opt, split_x = r2cc_time(link, link, y_opt), r2cc_time(link, link, x)
+        rates = link
+    else:
+        rates, _ = host_limited(link, link, host_rate)
+        healthy, _ = host_limited(healthy, healthy, host_rate)
+        d = _degraded(link, link)
+        split_opt, split_x = (share_time(r2cc_shares(n, d, y), rates, rates) for y in (y_opt, x))
     return {
         "ring": ring_time(rates, rates),
-        "split_opt": r2cc_time(rates, rates, y_opt),
-        "split_x": r2cc_time(rates, rates, x),
-        "lower_bound": lower_bound(rates, rates),
+        "split_opt": split_opt,
+        "split_x": split_x,
+        "lower_bound": lower_bound(link, link, 1.0, host_rate),
         "mrc": picked.predicted,
         "healthy": ring_time(healthy, healthy),
         "y_opt": y_opt,

@@ -67,12 +67,28 @@ def _overhead(t: float, healthy: float) -> str:
     return "" if healthy == 0.0 else f" {100.0 * (t / healthy - 1.0):+.1f}%"
 
 
-def print_table(ranks: list[int], xs: list[float]) -> None:
+def _host_rate(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        h = float(Fraction(value.strip()))
+    except (ValueError, ZeroDivisionError):
+        raise click.BadParameter(f"{value!r} is not a number such as 5 or 5/2") from None
+    if not h > 0.0:
+        raise click.BadParameter(
+            f"{h:g}: must be > 0 (in units of B: 5 = five times a rank's rate)"
+        )
+    return h
+
+
+def print_table(ranks: list[int], xs: list[float], host: float | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    with_host = "" if host is None else f", hosts at {host:g}B"
     table = Table(
-        title="AllReduce, one rank at (1-X)B: time in D/B, no latency (overhead vs healthy)",
+        title="AllReduce, one rank at (1-X)B: time in D/B, no latency (overhead vs healthy)"
+        + with_host,
         title_justify="left",
     )
     table.add_column("n", justify="right")
@@ -82,7 +98,7 @@ def print_table(ranks: list[int], xs: list[float]) -> None:
     table.add_column("Y*", justify="right")
     for n in ranks:
         for x in xs:
-            row = m.summary(n, x)
+            row = m.summary(n, x, host)
             cells = [str(n), f"{x:.3g}"]
             for key, _ in COLUMNS:
                 cells.append(f"{row[key]:.4f}{_overhead(row[key], row['healthy'])}")
@@ -91,7 +107,7 @@ def print_table(ranks: list[int], xs: list[float]) -> None:
     Console(width=140).print(table)
 
 
-def plot(path: str) -> None:
+def plot(path: str, host: float | None = None) -> None:
     """Overhead over the healthy ring vs X for n in PLOT_RANKS, one panel each."""
     try:
         import matplotlib
@@ -111,12 +127,12 @@ def plot(path: str) -> None:
     )
     fig, axes = plt.subplots(1, len(PLOT_RANKS), figsize=(13, 4.2), sharey=True)
     for ax, n in zip(axes, PLOT_RANKS, strict=True):
-        rows = [m.summary(n, x) for x in xs]
+        rows = [m.summary(n, x, host) for x in xs]
         for key, label, color in curves:
             ys = [100.0 * (r[key] / r["healthy"] - 1.0) for r in rows]
             ax.plot(xs, ys, label=label, color=color)
         for x in PLOT_MARKS:
-            r = m.summary(n, x)
+            r = m.summary(n, x, host)
             ax.plot([x], [100.0 * (r["mrc"] / r["healthy"] - 1.0)], "o", color="tab:blue")
         ax.axvline(m.crossover(n), color="grey", lw=0.8, ls=":")
         ax.set_title(f"n = {n} (dotted: X_c = {m.crossover(n):.3f})")
@@ -125,7 +141,11 @@ def plot(path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("overhead over the healthy ring (%)")
     axes[0].legend(fontsize=8, loc="upper left")
-    fig.suptitle("AllReduce with one degraded rank: modelled overhead (no latency term)")
+    fig.suptitle(
+        "AllReduce with one degraded rank: modelled overhead (no latency term"
+        + ("" if host is None else f"; hosts at {host:g}B")
+        + ")"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -148,6 +168,13 @@ def plot(path: str) -> None:
     help="Fraction X of one rank's bandwidth lost (0.25 or 1/4), or several comma-separated.",
 )
 @click.option(
+    "--host-rate",
+    "host",
+    callback=_host_rate,
+    help="Also count the hosts' own cost: each handles this many B of traffic, sent plus "
+    "received (e.g. 5; docs/collectives-model.md section 7). Default: the wire alone.",
+)
+@click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON object (one N and one X only)."
 )
 @click.option(
@@ -156,7 +183,9 @@ def plot(path: str) -> None:
     type=click.Path(dir_okay=False, writable=True),
     help=f"Draw overhead vs X for n in {{{', '.join(map(str, PLOT_RANKS))}}} into this PNG.",
 )
-def model(ranks: list[int], lost: list[float], as_json: bool, plot_file: str | None) -> None:
+def model(
+    ranks: list[int], lost: list[float], host: float | None, as_json: bool, plot_file: str | None
+) -> None:
     """The AllReduce cost model: one rank lost a fraction X of its bandwidth.
 
     Times in units of D/B, no latency term: ring (through the degraded rank), R2CC's split
@@ -169,12 +198,12 @@ def model(ranks: list[int], lost: list[float], as_json: bool, plot_file: str | N
                 f"--json prints one object: give one --ranks and one --lost-fraction "
                 f"(got {len(ranks)} and {len(lost)})"
             )
-        row = m.summary(ranks[0], lost[0])
+        row = m.summary(ranks[0], lost[0], host)
         # 15 significant digits: the model's own rounding (1.6000000000000003) is noise.
         click.echo(json.dumps({k: float(f"{row[k]:.15g}") for k in m.KEYS}))
     else:
-        print_table(ranks, lost)
+        print_table(ranks, lost, host)
     if plot_file:
-        plot(plot_file)
+        plot(plot_file, host)
         if not as_json:
             click.echo(f"wrote {plot_file}")
