@@ -126,6 +126,7 @@ def schedules_case(fab: Any, nbytes: int, iters: int) -> dict[str, Any]:
             "mrc_host": list(model.plan(dr, nbytes, host_rate=planned_host).shares),
         }
         rows = {}
+        exact: dict[str, list[float]] = {}  # the shares each ran with, unrounded
         for name, sh in cases.items():
             m = measure(fab, nbytes, iters, sh)
             if sh is not None:
@@ -135,10 +136,10 @@ def schedules_case(fab: Any, nbytes: int, iters: int) -> dict[str, Any]:
             else:  # the planner kept equal shares (its agreement did not see the failure)
                 used = [1 / N] * N
             pred = model.share_time(used, dr, dr, nbytes)
+            exact[name] = used
             rows[name] = {
                 **m,
                 "shares": [round(v, 5) for v in used],
-                "shares_exact": used,
                 "model_s": pred,
                 "measured_vs_model": m["time_s"] / pred,
                 "overhead_model": pred / healthy_model - 1,
@@ -156,7 +157,7 @@ def schedules_case(fab: Any, nbytes: int, iters: int) -> dict[str, Any]:
     hm, _ = model.host_limited(hr, hr, host)
     healthy_host = model.share_time([1 / N] * N, hm, hm, nbytes)
     for name, row in rows.items():
-        pred_host = model.share_time(row.pop("shares_exact"), dm, dm, nbytes)
+        pred_host = model.share_time(exact[name], dm, dm, nbytes)
         row["host_model_s"] = pred_host
         row["measured_vs_host_model"] = row["time_s"] / pred_host
         row["overhead_host_model"] = pred_host / healthy_host - 1
@@ -171,7 +172,7 @@ def schedules_case(fab: Any, nbytes: int, iters: int) -> dict[str, Any]:
     mrc, mrc_host = rows["mrc"], rows["mrc_host"]
     bound_over = bound / healthy_model - 1
     host_bound = model.lower_bound(dr, dr, nbytes, host)
-    host_bound_over = host_bound / model.lower_bound(hr, hr, nbytes, host) - 1
+    host_bound_over = host_bound / healthy_host - 1  # healthy: the bound with equal rates
     return {
         "nbytes": nbytes,
         "healthy": {**healthy_m, "model_s": healthy_model},
