@@ -485,32 +485,40 @@ def resilient_shares_closed(n: int, x: float) -> tuple[float, float]:
     return (n - 2 - (2 * n - 3) * x) / den, (n - 2 + x) / den
 
 
+def r2cc_split_time(
+    bw_send: Rates, bw_recv: Rates, y: float, nbytes: float = 1.0, host_rate: float | None = None
+) -> float:
+    """R2CC's T(Y) on the wire; with a host rate (section 7), R2CC's rings have no form
+    (their sub-ring runs in leftover wire bandwidth, the host is shared), so the split is
+    timed as mrc runs it: as shares of the direct schedule (r2cc_shares) at host_limited
+    rates, which that model times exactly."""
+    if host_rate is None:
+        return r2cc_time(bw_send, bw_recv, y, nbytes)
+    s, g = _check_rates(bw_send, bw_recv)
+    hs, hg = host_limited(s, g, host_rate)
+    return share_time(r2cc_shares(len(s), _degraded(s, g), y), hs, hg, nbytes)
+
+
 def summary(n: int, x: float, host_rate: float | None = None) -> dict[str, float]:
     """The model of `mrc-perf model`: each key of KEYS, computed from the general
     per-rank functions (not the closed forms, which the tests check against this), in
     units of D/B with no latency term. `mrc` is what plan() picks.
 
     host_rate (in units of B) adds the hosts' own cost (section 7): ring, healthy and mrc
-    at host_limited rates, the bound with the host. R2CC's rings have no form with a host
-    term (their sub-ring runs in leftover wire bandwidth, the host is shared), so its two
-    splits, at the wire model's Y* and at Y = X, are given as mrc runs them: as shares of
-    the direct schedule (r2cc_shares), which the host model times exactly."""
+    at host_limited rates, the bound with the host, R2CC's splits (at the wire model's Y*
+    and at Y = X) as r2cc_split_time gives them."""
     link = degraded_rates(n, x)
     healthy = [1.0] * len(link)
     y_opt = r2cc_y_opt(link, link)
     picked = plan(link, 1.0, 0.0, host_rate=host_rate)
-    if host_rate is None:
-        split_opt, split_x = r2cc_time(link, link, y_opt), r2cc_time(link, link, x)
-        rates = link
-    else:
+    rates = link
+    if host_rate is not None:
         rates, _ = host_limited(link, link, host_rate)
         healthy, _ = host_limited(healthy, healthy, host_rate)
-        d = _degraded(link, link)
-        split_opt, split_x = (share_time(r2cc_shares(n, d, y), rates, rates) for y in (y_opt, x))
     return {
         "ring": ring_time(rates, rates),
-        "split_opt": split_opt,
-        "split_x": split_x,
+        "split_opt": r2cc_split_time(link, link, y_opt, 1.0, host_rate),
+        "split_x": r2cc_split_time(link, link, x, 1.0, host_rate),
         "lower_bound": lower_bound(link, link, 1.0, host_rate),
         "mrc": picked.predicted,
         "healthy": ring_time(healthy, healthy),
@@ -560,7 +568,7 @@ def candidates(
         return [Candidate("equal", (1.0,), 0.0, True, "one rank: nothing to send")]
     equal = (1.0 / n,) * n
     best = tuple(shares(s, g))
-    y = r2cc_y_opt(s, g)
+    y = r2cc_y_opt(link_s, link_g)
     lat_direct = DIRECT_HOPS * alpha
     lat_ring = 2 * (n - 1) * alpha
     return [
@@ -577,8 +585,10 @@ def candidates(
             "rotating partial sums: no fixed reduction order",
         ),
         Candidate(
-            "r2cc", None, lat_ring + alpha + r2cc_time(s, g, y, d), False,
-            f"R2CC's rings at Y*={y:.4f}; as shares (r2cc_shares) it is never below resilient",
+            "r2cc", None, lat_ring + alpha + r2cc_split_time(link_s, link_g, y, d, host_rate),
+            False,
+            f"R2CC at Y*={y:.4f} (rings; as shares with a host rate): as shares it is never "
+            "below resilient",
         ),
         Candidate(
             "lower_bound", None, lat_direct + lower_bound(link_s, link_g, d, host_rate), False,
