@@ -99,6 +99,15 @@ def test_capture_summary_sees_transfer_and_retransmits(tmp_path: Path) -> None:
             for _ in range(4):
                 p.ca.write(ms_, md.descriptor()).wait(timeout=30)
             t.join()
+            # One more write with both planes carrying: the four above can all end while
+            # plane 1 is still down (16 MiB on loopback take a few ms), and then no receive
+            # pass took packets from both planes, so no ACK echoed both (the echoes
+            # assertion below failed 1 run in 16-32 that way, on this code and older).
+            deadline = time.monotonic() + 10
+            while any(q["state"] != "good" for q in p.a.stats()["paths"]):
+                assert time.monotonic() < deadline, p.a.stats()["paths"]
+                time.sleep(0.005)  # polling the paths' state, bounded
+            p.ca.write(ms_, md.descriptor()).wait(timeout=30)
             assert sha(dst) == sha(src)
             time.sleep(0.5)
             st = p.a.stats()
