@@ -2,7 +2,7 @@
 
 Layers: ``MRC`` (the 24-byte common header) followed by ``MRCData`` (types WRITE
 and SEND, then ``len`` payload bytes as ``Raw``), ``MRCAck`` or ``MRCNak``, chosen
-by ``type``; an ACK's further echoes (``len`` / 16 of them, one per other path
+by ``type``; an ACK's further echoes (``len`` / 24 of them, one per other path
 that delivered) are ``MRCAck.echoes``, a list of ``MRCAckEcho``; PROBE, PROBE_ACK
 and CLOSE have no extension. All fields are little-endian.
 
@@ -42,6 +42,7 @@ from scapy.packet import Packet, Raw, bind_layers
 
 __all__ = [
     "DEFAULT_PORT",
+    "ECHO_LEN",
     "MAGIC",
     "VERSION",
     "MRC",
@@ -59,9 +60,10 @@ __all__ = [
 
 DEFAULT_PORT = 4793
 MAGIC = 0x4D52
-VERSION = 2
+VERSION = 3
 HDR_LEN = 24
-EXT_LEN = {1: 32, 2: 32, 3: 72, 4: 8}  # extension bytes after the header, by type
+ECHO_LEN = 24  # one further echo of an ACK
+EXT_LEN = {1: 32, 2: 32, 3: 80, 4: 8}  # extension bytes after the header, by type
 LEN_TYPES = (1, 2, 3)  # types whose ``len`` counts bytes after the extension
 PKT_TYPES = {
     1: "WRITE",
@@ -123,8 +125,8 @@ class MRCData(Packet):  # type: ignore[misc]
 
 
 class MRCAckEcho(Packet):  # type: ignore[misc]
-    """One further echo of an ACK, 16 bytes: a path that delivered, its latest PSN
-    and that packet's send timestamp."""
+    """One further echo of an ACK, 24 bytes: a path that delivered, its latest PSN,
+    that packet's send timestamp and when the receiver got it (the receiver's clock)."""
 
     name = "MRCAckEcho"
     fields_desc = [
@@ -132,6 +134,7 @@ class MRCAckEcho(Packet):  # type: ignore[misc]
         StrFixedLenField("pad", b"\0\0\0", 3),
         LEIntField("psn", 0),
         LELongField("ts", 0),
+        LELongField("rx_ts", 0),
     ]
 
     def extract_padding(self, s: bytes) -> tuple[bytes, bytes]:
@@ -140,17 +143,19 @@ class MRCAckEcho(Packet):  # type: ignore[misc]
 
 def _echo_count(ack: Any) -> int:
     under = ack.underlayer
-    return (under.len or 0) // 16 if under is not None else 0
+    return (under.len or 0) // ECHO_LEN if under is not None else 0
 
 
 class MRCAck(Packet):  # type: ignore[misc]
-    """ACK extension, 72 bytes: SACK base, echoed PSN, 8 little-endian u64 words;
-    then the header's ``len`` / 16 further echoes (``echoes``)."""
+    """ACK extension, 80 bytes: SACK base, echoed PSN, when the receiver got that
+    packet (``echo_rx_ts``), 8 little-endian u64 words; then the header's ``len`` / 24
+    further echoes (``echoes``)."""
 
     name = "MRCAck"
     fields_desc = [
         LEIntField("sack_base", 0),
         LEIntField("echo_psn", 0),
+        LELongField("echo_rx_ts", 0),
         FieldListField("sack", [0] * 8, XLELongField("", 0), count_from=lambda _p: 8),
         PacketListField("echoes", [], MRCAckEcho, count_from=_echo_count),
     ]

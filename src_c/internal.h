@@ -191,6 +191,12 @@ struct path {
     uint64_t state_since;
     /* delay and congestion */
     uint64_t srtt, rttvar, last_rtt, base_rtt, base_rtt_until;
+    /* One-way delay, data out to its arrival, in the receiver's clock minus
+     * ours: the offset between the clocks is unknown but constant, so only
+     * last_owd - base_owd (the queueing on the way out) means anything.
+     * base_owd INT64_MAX: no sample yet. */
+    int64_t last_owd, base_owd;
+    uint64_t base_owd_until;
     uint64_t cwnd, inflight, ssthresh, last_cut_ns;
     uint64_t delivered_ts;  /* send time of the latest packet acked on this path */
     /* failure detection */
@@ -304,6 +310,7 @@ struct mrc_conn {
     unsigned ack_turn;        /* which delivering path's mirror the next ACK takes */
     uint32_t ack_echo_psn[MRC_MAX_PATHS];
     uint64_t ack_echo_ts[MRC_MAX_PATHS];
+    uint64_t ack_echo_rx_ts[MRC_MAX_PATHS]; /* when each echoed packet arrived */
 
     /* [lock] immediates delivered to the user: on imm_head, or on cq when bound */
     struct imm_ev *imm_head, *imm_tail;
@@ -513,6 +520,7 @@ struct path *path_pick_pt(mrc_conn *c, uint32_t len, int avoid);
 struct path *path_for_ack_pt(mrc_conn *c, int id);
 void path_set_state_pt(mrc_conn *c, struct path *p, int state, uint64_t now);
 void path_on_rtt_pt(struct path *p, uint64_t rtt, uint64_t now);
+void path_on_owd_pt(struct path *p, int64_t owd, uint64_t now);
 void path_on_acked_pt(struct path *p, uint64_t bytes, uint64_t now);
 void path_on_loss_pt(mrc_conn *c, struct path *p, bool timeout, uint64_t sent_ns, uint64_t now);
 void path_on_probe_ack_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t now);

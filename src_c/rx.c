@@ -60,11 +60,14 @@ void rx_sack_fill(const mrc_conn *c, uint32_t base, uint64_t sack[MRC_SACK_BITS 
     }
 }
 
-static void ack_need(mrc_conn *c, unsigned path, uint32_t psn, uint64_t ts)
+/* `now`: when the packet arrived, echoed so that the sender can tell its
+ * path's one-way delay from the round trip (path.c, congested()). */
+static void ack_need(mrc_conn *c, unsigned path, uint32_t psn, uint64_t ts, uint64_t now)
 {
     c->ack_need |= 1ull << path;
     c->ack_echo_psn[path] = psn;
     c->ack_echo_ts[path] = ts;
+    c->ack_echo_rx_ts[path] = now;
     if (!c->in_ackq) {
         c->in_ackq = true;
         c->next_ack = c->ep->ackq;
@@ -360,14 +363,15 @@ static void rx_msg_note(struct rx_msg *m, const struct mrc_hdr *h, const struct 
     m->imm = d->imm;
 }
 
-static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payload)
+static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payload,
+                       uint64_t now)
 {
     mrc_ep *ep = c->ep;
     const struct mrc_data_ext *d = (const void *)(h + 1);
     int32_t off = psn_diff(h->psn, c->rx_cum);
     if (off < 0 || (off < (int32_t)c->window && rx_bit(c, h->psn))) {
         DROP(ep, DUPLICATE);
-        ack_need(c, h->path, h->psn, h->ts); /* its ACK was lost: send another */
+        ack_need(c, h->path, h->psn, h->ts, now); /* its ACK was lost: send another */
         return;
     }
     if (off >= (int32_t)c->window) {
@@ -462,7 +466,7 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
         rx_bit_set(c, c->rx_cum, false);
         c->rx_cum++;
     }
-    ack_need(c, h->path, h->psn, h->ts);
+    ack_need(c, h->path, h->psn, h->ts, now);
     rx_deliver_pt(c);
 }
 
@@ -516,7 +520,7 @@ void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, ui
     switch (h->type) {
     case MRC_PKT_WRITE:
     case MRC_PKT_SEND:
-        rx_data_pt(c, h, buf + MRC_DATA_HDR_LEN);
+        rx_data_pt(c, h, buf + MRC_DATA_HDR_LEN, now);
         break;
     case MRC_PKT_ACK:
         tx_on_ack_pt(c, p, h, (const struct mrc_ack_ext *)(h + 1), now);
@@ -628,7 +632,8 @@ void rx_flush_acks_pt(mrc_ep *ep)
             for (unsigned k = 1; k < n; k++)
                 e[k - 1] = (struct mrc_ack_echo){.path = (uint8_t)ids[k],
                                                  .psn = c->ack_echo_psn[ids[k]],
-                                                 .ts = c->ack_echo_ts[ids[k]]};
+                                                 .ts = c->ack_echo_ts[ids[k]],
+                                                 .rx_ts = c->ack_echo_rx_ts[ids[k]]};
             /* The SACK block starts at the cumulative ack, or ends at the
              * furthest echoed psn when that lies further out (then every echo
              * is still inside it: grouped so above). */
@@ -637,6 +642,7 @@ void rx_flush_acks_pt(mrc_ep *ep)
                 base = far - (MRC_SACK_BITS - 1);
             a->sack_base = base;
             a->echo_psn = c->ack_echo_psn[ids[0]];
+            a->echo_rx_ts = c->ack_echo_rx_ts[ids[0]];
             rx_sack_fill(c, base, a->sack);
         }
     }

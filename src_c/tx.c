@@ -215,14 +215,16 @@ void tx_on_close_cum_pt(mrc_conn *c, uint32_t cum, uint64_t now)
 }
 
 /* What an echo says about its path: the delay of the packet echoed (sent at
- * ts), and that the path delivered everything it carried up to it. A
- * timestamp from the future or from long ago is forged or stale, and not a
- * sample. */
-static void tx_on_echo_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t now)
+ * ts, received at rx_ts of the peer's clock), and that the path delivered
+ * everything it carried up to it. A timestamp from the future or from long
+ * ago is forged or stale, and not a sample. */
+static void tx_on_echo_pt(mrc_conn *c, struct path *p, uint64_t ts, uint64_t rx_ts,
+                          uint64_t now)
 {
     if (ts > now || now - ts >= 10000000000ull)
         return;
     path_on_rtt_pt(p, now - ts, now);
+    path_on_owd_pt(p, (int64_t)(rx_ts - ts), now);
     if (ts > p->delivered_ts)
         p->delivered_ts = ts;
     p->last_rx_ns = now;
@@ -289,9 +291,9 @@ void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
 
     /* The echoed paths, before loss detection reads their delivered_ts. */
     if (p)
-        tx_on_echo_pt(c, p, h->ts, now);
+        tx_on_echo_pt(c, p, h->ts, a->echo_rx_ts, now);
     for (unsigned k = 0; k < nextra; k++)
-        tx_on_echo_pt(c, conn_path(c, e[k].path), e[k].ts, now);
+        tx_on_echo_pt(c, conn_path(c, e[k].path), e[k].ts, e[k].rx_ts, now);
 
     /* RACK-style loss detection, per path: a packet is lost when a packet
      * sent after it on the same path has been delivered (paths are FIFO).

@@ -8,7 +8,7 @@
  *  0                   1                   2                   3
  *  0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1
  * +-------------------------------+---------------+---------------+
- * |         magic 0x4d52          |  version = 1  |     type      |
+ * |         magic 0x4d52          |  version = 3  |     type      |
  * +---------------+---------------+-------------------------------+
  * |     flags     |    path id    |        payload length         |
  * +---------------+---------------+-------------------------------+
@@ -21,9 +21,9 @@
  * +---------------------------------------------------------------+
  *  DATA (WRITE, SEND) extension, 32 bytes:
  * |  msn  |  imm  |  key (WRITE: rkey; SEND: tag)  |  offset  |  msg_len  |
- *  ACK extension, 72 bytes, then `payload length` / 16 further echoes:
- * |  sack_base  |  echo_psn  |  sack bitmap, 512 bits (psn sack_base + i)  |
- * |  path | 0 0 0 |  psn  |  ts  |  (each further echo, 16 bytes)  ...      |
+ *  ACK extension, 80 bytes, then `payload length` / 24 further echoes:
+ * |  sack_base  |  echo_psn  |  echo_rx_ts  |  sack bitmap, 512 bits        |
+ * |  path | 0 0 0 |  psn  |  ts  |  rx_ts  |  (each further echo, 24 bytes) |
  *  NAK extension, 8 bytes:  |  msn  |  code  |
  */
 #ifndef MRC_WIRE_H
@@ -38,7 +38,9 @@
 #endif
 
 #define MRC_MAGIC 0x4d52u
-#define MRC_WIRE_VERSION 2u /* 2: an ACK echoes every path that delivered */
+/* 2: an ACK echoes every path that delivered; 3: each echo also says when the
+ * receiver got that packet (its clock), for the path's one-way delay */
+#define MRC_WIRE_VERSION 3u
 
 enum mrc_pkt_type {
     MRC_PKT_WRITE = 1,     /* DATA: RDMA WRITE into (key, offset) */
@@ -84,9 +86,10 @@ static_assert(sizeof(struct mrc_data_ext) == 32, "data extension is 32 bytes");
 struct mrc_ack_ext {
     uint32_t sack_base;
     uint32_t echo_psn;
+    uint64_t echo_rx_ts; /* when the receiver got echo_psn, ns of its own clock */
     uint64_t sack[MRC_SACK_BITS / 64];
 };
-static_assert(sizeof(struct mrc_ack_ext) == 72, "ack extension is 72 bytes");
+static_assert(sizeof(struct mrc_ack_ext) == 80, "ack extension is 80 bytes");
 
 /* One ACK answers every path of its connection that delivered since the last
  * one: the header's path, ts and the extension's echo_psn are the first echo,
@@ -96,8 +99,9 @@ struct mrc_ack_echo {
     uint8_t pad[3]; /* zero, ignored */
     uint32_t psn;   /* the latest packet the receiver got on this path */
     uint64_t ts;    /* its send timestamp */
+    uint64_t rx_ts; /* when the receiver got it, ns of the receiver's clock */
 };
-static_assert(sizeof(struct mrc_ack_echo) == 16, "ack echo is 16 bytes");
+static_assert(sizeof(struct mrc_ack_echo) == 24, "ack echo is 24 bytes");
 #define MRC_ACK_ECHO_MAX 7 /* further echoes per ACK: 8 paths; more take another ACK */
 
 struct mrc_nak_ext {

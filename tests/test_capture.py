@@ -43,10 +43,14 @@ def test_layer_round_trip_and_binding() -> None:
     ack = ms.MRC(raw(ms.MRC(type=3) / ms.MRCAck(sack_base=100, sack=[0b1011] + [0] * 7)))
     assert ms.sack_psns(ack[ms.MRCAck]) == [100, 101, 103]
     assert ack.len == 0 and ack[ms.MRCAck].echoes == []
-    echoes = [ms.MRCAckEcho(path=p, psn=200 + p, ts=7 * p) for p in (2, 5)]
-    ack = ms.MRC(raw(ms.MRC(type=3, path=1) / ms.MRCAck(echoes=echoes)))
-    assert ack.len == 32  # the further echoes' bytes
-    assert [(e.path, e.psn, e.ts) for e in ack[ms.MRCAck].echoes] == [(2, 202, 14), (5, 205, 35)]
+    echoes = [ms.MRCAckEcho(path=p, psn=200 + p, ts=7 * p, rx_ts=9 * p) for p in (2, 5)]
+    ack = ms.MRC(raw(ms.MRC(type=3, path=1) / ms.MRCAck(echo_rx_ts=3, echoes=echoes)))
+    assert ack.len == 2 * ms.ECHO_LEN == 48  # the further echoes' bytes
+    assert ack[ms.MRCAck].echo_rx_ts == 3
+    assert [(e.path, e.psn, e.ts, e.rx_ts) for e in ack[ms.MRCAck].echoes] == [
+        (2, 202, 14, 18),
+        (5, 205, 35, 45),
+    ]
     assert mrc_capture.sack_ranges([100, 101, 103]) == [(100, 101), (103, 103)]
 
 

@@ -176,6 +176,7 @@ def test_region_without_remote_write_is_refused() -> None:
 
 def garbage_datagrams(conn_ids: list[int], n: int) -> list[bytes]:
     """Random bytes, truncated mrc headers, valid headers for unknown connections."""
+    from mrc.scapy import EXT_LEN
     from mrc.scapy import VERSION as V  # the wire version (src_c/wire.h)
 
     rnd = random.Random(42)
@@ -191,7 +192,7 @@ def garbage_datagrams(conn_ids: list[int], n: int) -> list[bytes]:
             out.append(hdr[: rnd.randrange(1, len(hdr))])
         elif kind == 2:  # unknown connection id, well-formed ACK
             hdr = struct.pack("<HBBBBHIIQ", 0x4D52, V, 3, 0, 0, 0, rnd.getrandbits(32) | 1, 0, 0)
-            out.append(hdr + bytes(72))
+            out.append(hdr + bytes(EXT_LEN[3]))
         else:  # bad version / type
             out.append(
                 struct.pack("<HBB", 0x4D52, rnd.choice([0, V + 1, 9]), rnd.randrange(256))

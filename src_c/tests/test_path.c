@@ -166,14 +166,17 @@ static void teardown_paths(void)
     teardown();
 }
 
-/* The latest packet on path ids[k] was psn[k] (sent at (ids[k] + 1) us),
- * for each k; then the pass ends: flush. The caller marks what was received. */
+/* The latest packet on path ids[k] was psn[k] (sent at (ids[k] + 1) us,
+ * received at RX_CLOCK + 10 * (ids[k] + 1) us of the receiver's clock), for
+ * each k; then the pass ends: flush. The caller marks what was received. */
+#define RX_CLOCK (5000 * MS) /* the receiver's clock is 5 s ahead of ours */
 static void arrive_psns(const int *ids, const uint32_t *psn, int n)
 {
     for (int k = 0; k < n; k++) {
         c->ack_need |= 1ull << ids[k];
         c->ack_echo_psn[ids[k]] = psn[k];
         c->ack_echo_ts[ids[k]] = (uint64_t)ids[k] * US + US;
+        c->ack_echo_rx_ts[ids[k]] = RX_CLOCK + 10 * ((uint64_t)ids[k] * US + US);
     }
     c->in_ackq = true;
     c->next_ack = NULL;
@@ -219,9 +222,11 @@ static void test_one_ack_echoes_every_path(void)
     CHECK(h[0]->type == MRC_PKT_ACK && h[0]->path == 0 && h[0]->ts == 1 * US && h[0]->psn == 100);
     const struct mrc_ack_ext *a = (const struct mrc_ack_ext *)(h[0] + 1);
     const struct mrc_ack_echo *e = (const struct mrc_ack_echo *)(a + 1);
-    CHECK(a->echo_psn == 90);
-    CHECK(e[0].path == 2 && e[0].psn == 92 && e[0].ts == 3 * US);
-    CHECK(e[1].path == 3 && e[1].psn == 93 && e[1].ts == 4 * US);
+    CHECK(a->echo_psn == 90 && a->echo_rx_ts == RX_CLOCK + 10 * US);
+    CHECK(e[0].path == 2 && e[0].psn == 92 && e[0].ts == 3 * US &&
+          e[0].rx_ts == RX_CLOCK + 30 * US);
+    CHECK(e[1].path == 3 && e[1].psn == 93 && e[1].ts == 4 * US &&
+          e[1].rx_ts == RX_CLOCK + 40 * US);
 
     /* The sender's side of it, on a connection that sent 90..99. */
     c->next_psn = c->una = 100;
@@ -232,6 +237,10 @@ static void test_one_ack_echoes_every_path(void)
     CHECK(c->paths[0].delivered_ts == 1 * US && c->paths[0].last_rtt == now - 1 * US);
     CHECK(c->paths[2].delivered_ts == 3 * US && c->paths[2].last_rtt == now - 3 * US);
     CHECK(c->paths[3].delivered_ts == 4 * US && c->paths[3].last_rtt == now - 4 * US);
+    /* ... and its one-way delay, in the two clocks (offset included). */
+    CHECK(c->paths[0].last_owd == (int64_t)(RX_CLOCK + 9 * US));
+    CHECK(c->paths[3].last_owd == (int64_t)(RX_CLOCK + 36 * US));
+    CHECK(c->paths[3].base_owd == c->paths[3].last_owd);
     CHECK(c->paths[1].delivered_ts == 0 && c->paths[1].last_rx_ns == 0); /* not echoed */
 
     /* A forged further echo (a path the connection lacks, a psn never sent)
@@ -356,6 +365,44 @@ static void test_sack_fill_words(void)
     CHECK(checked == 6 * 200);
 }
 
+/* One echo as tx.c takes it: sent at ts, received at rx_ts (the receiver's
+ * clock, offset by an unknown constant), its ACK back at now; then the
+ * packet's bytes acknowledged. */
+static void echo(struct path *p, uint64_t ts, uint64_t rx_ts, uint64_t now)
+{
+    path_on_rtt_pt(p, now - ts, now);
+    path_on_owd_pt(p, (int64_t)(rx_ts - ts), now);
+    path_on_acked_pt(p, 8192, now);
+}
+
+/* Congestion is queueing on the way out, not on the round trip: ACKs that
+ * wait behind other flows' data leaving the receiver's host (a 6 ms round
+ * trip with the data's own one-way delay at its floor) must not cut the
+ * window, as they did on the 4-host ring; data that queues on the way out
+ * (one-way delay 5 ms over its floor) must. Clocks 1000 s apart either way. */
+static void test_congestion_is_one_way(void)
+{
+    static const int64_t offsets[] = {1000000 * (int64_t)MS, -1000000 * (int64_t)MS};
+    for (int k = 0; k < 2; k++) {
+        struct path *p = setup();
+        uint64_t rx = (uint64_t)((int64_t)(2000000 * MS) + offsets[k]);
+        echo(p, 1 * MS, rx + 1 * MS + 100 * US, 1 * MS + 200 * US); /* the floors */
+        p->cwnd = p->ssthresh = 64 * 8192;                          /* additive phase */
+        uint64_t before = p->cwnd;
+        for (int i = 0; i < 10; i++) {
+            uint64_t ts = 10 * MS + (uint64_t)i * MS;
+            echo(p, ts, rx + ts + 150 * US, ts + 6 * MS);
+        }
+        CHECK(p->last_rtt == 6 * MS); /* 5.8 ms above the base RTT */
+        CHECK(p->cwnd > before);      /* grew: nothing queued ahead of the data */
+        before = p->cwnd;
+        echo(p, 30 * MS, rx + 35 * MS, 35 * MS + 100 * US);
+        CHECK(p->cwnd < before); /* cut: 4.9 ms of queue on the way out */
+        CHECK(p->ssthresh == p->cwnd);
+        teardown();
+    }
+}
+
 int main(void)
 {
     test_sack_fill_words();
@@ -367,6 +414,7 @@ int main(void)
     test_one_ack_echoes_every_path();
     test_ack_path_turns();
     test_far_echoes_split();
+    test_congestion_is_one_way();
     DONE("test_path");
     return 0;
 }

@@ -53,7 +53,7 @@ int main(void)
         CHECK(t >= 1 && t < MRC_PKT_TYPE_MAX ? r != MRC_DROP_BAD_TYPE : r == MRC_DROP_BAD_TYPE);
     }
     /* An ACK is header + extension + len bytes of further echoes: whole
-     * 16-byte echoes, at most MRC_ACK_ECHO_MAX of them. */
+     * 24-byte echoes, at most MRC_ACK_ECHO_MAX of them. */
     memset(buf, 0, sizeof(buf));
     h->magic = MRC_MAGIC;
     h->version = MRC_WIRE_VERSION;
@@ -69,9 +69,11 @@ int main(void)
     }
     h->len = 17; /* not whole echoes */
     CHECK(mrc_pkt_validate(buf, MRC_ACK_LEN + 17, 8192) == MRC_DROP_BAD_LENGTH);
-    h->len = 32;
+    h->len = 16; /* v2's echo size */
+    CHECK(mrc_pkt_validate(buf, MRC_ACK_LEN + 16, 8192) == MRC_DROP_BAD_LENGTH);
+    h->len = 48;
     char s[160];
-    CHECK(strstr(mrc_pkt_to_string(buf, MRC_ACK_LEN + 32, s, sizeof(s)), "echoes=3") != NULL);
+    CHECK(strstr(mrc_pkt_to_string(buf, MRC_ACK_LEN + 48, s, sizeof(s)), "echoes=3") != NULL);
     h->len = 0;
     CHECK(strstr(mrc_pkt_to_string(buf, MRC_ACK_LEN, s, sizeof(s)), "ACK") != NULL);
     CHECK(strcmp(mrc_drop_str(MRC_DROP_BAD_KEY), "bad_key") == 0);
