@@ -314,18 +314,40 @@ class Launcher:
                     pass
         return [rk.rank for rk in stopped]
 
-    def run(self) -> int:
+    def _start_all(self) -> bool:
+        """Starts every rank; False when a Ctrl-C came meanwhile. A KeyboardInterrupt
+        raised inside Popen or Thread.start would leave a rank forked but unrecorded (its
+        own session: nothing would stop it), so the interrupt only sets a flag here."""
+        interrupted = False
+
+        def note(_sig: int, _frame: object) -> None:
+            nonlocal interrupted
+            interrupted = True
+
+        main_thread = threading.current_thread() is threading.main_thread()
+        old = signal.signal(signal.SIGINT, note) if main_thread else None
         try:
             for rk in self.ranks:
                 self._start(rk)
-        except OSError as e:
-            self._stop(self.ranks)
-            self.say(f"mrc-run: cannot start {self.ranks[0].argv[0]!r}: {e.strerror}")
-            return 127
+                if interrupted:
+                    break
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGINT, old)
+        return not interrupted
+
+    def run(self) -> int:
         first: tuple[int, int] | None = None
         left = len(self.ranks)
-        deadline = time.monotonic() + self.time_limit if self.time_limit > 0 else None
         try:
+            try:
+                if not self._start_all():
+                    raise KeyboardInterrupt
+            except OSError as e:
+                self._stop(self.ranks)
+                self.say(f"mrc-run: cannot start {self.ranks[0].argv[0]!r}: {e.strerror}")
+                return 127
+            deadline = time.monotonic() + self.time_limit if self.time_limit > 0 else None
             while left:
                 wait = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:

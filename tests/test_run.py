@@ -4,6 +4,7 @@ Ctrl-C, and communicators under it on loopback and (root) on a namespace fabric.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -136,6 +137,55 @@ def test_ctrl_c_stops_every_rank() -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def marked(mark: str) -> list[int]:
+    """The processes whose environment holds MRC_TEST_MARK=mark."""
+    want = f"MRC_TEST_MARK={mark}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                env = (d / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue  # gone, or not ours to read
+            if want in env:
+                out.append(int(d.name))
+    return out
+
+
+def test_ctrl_c_while_ranks_start_leaves_none_running() -> None:
+    """Ctrl-C while mrc-run is still starting ranks (here: the moment rank 1's process
+    is forked, a real SIGINT to this thread): every rank started is stopped and run()
+    says interrupted (130). Each rank runs in its own session, so one forked but never
+    recorded, or recorded but left behind by a KeyboardInterrupt out of the start loop,
+    would run on orphaned (it did before the start loop took Ctrl-C as a flag)."""
+    from mrc.run import Launcher, Rank
+
+    mark = f"{os.getpid()}-start"
+    env = {**os.environ, "MRC_TEST_MARK": mark}
+    argv = [sys.executable, "-c", "import time; time.sleep(120)"]
+    ranks = [Rank(rank=r, argv=argv, env=env) for r in range(3)]
+    out = io.StringIO()
+    launcher = Launcher(ranks, out=out)
+    real_start = launcher._start
+
+    def start(rk: Rank) -> None:
+        real_start(rk)
+        if rk.rank == 1:
+            signal.raise_signal(signal.SIGINT)  # to this thread; handled on return
+
+    launcher._start = start  # type: ignore[method-assign]
+    try:
+        assert launcher.run() == 130
+    finally:
+        for rk in ranks:
+            if rk.proc is not None and rk.proc.poll() is None:
+                rk.proc.kill()
+                rk.proc.wait()
+    assert "interrupted; stopped ranks 0, 1" in out.getvalue()
+    assert ranks[2].proc is None  # not started after the Ctrl-C
+    assert marked(mark) == []
 
 
 def expected_sha(src: int, dst: int) -> str:
