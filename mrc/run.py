@@ -12,7 +12,8 @@ MRC_FABRIC_NAME, MRC_HOST, so mrc.Communicator.from_env() needs nothing else. On
 Every output line is prefixed "[r] ". When a rank fails, the others get --settle seconds
 (2) to end by themselves (their communicators raise at once, naming it), then are stopped
 (SIGTERM, then SIGKILL), its last lines and exit code are shown, and mrc-run exits with the first
-failure's code (128 + signal for a rank killed by a signal). Ctrl-C stops every rank.
+failure's code (128 + signal for a rank killed by a signal). Ctrl-C (SIGINT) or SIGTERM to
+mrc-run stops every rank; it exits 130 or 143.
 
 --bind-to core (Open MPI's name) pins rank r, and every thread it starts, to the r-th
 equal block of this machine's cores (wrapping when there are more ranks than cores): its
@@ -228,6 +229,14 @@ def _plan_fabric(
     return ranks
 
 
+class _Stopped(Exception):
+    """mrc-run got SIGINT or SIGTERM: stop every rank, exit 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 class Launcher:
     """Runs the planned ranks; run() returns the exit code mrc-run exits with."""
 
@@ -244,6 +253,8 @@ class Launcher:
         self.time_limit = time_limit
         self._lock = threading.Lock()
         self._exits: queue.Queue[tuple[int, int]] = queue.Queue()
+        self._signal: int | None = None  # SIGINT/SIGTERM received (run)
+        self._starting = True  # ranks still being started: a signal is only noted
 
     def say(self, text: str) -> None:
         with self._lock:
@@ -314,39 +325,46 @@ class Launcher:
                     pass
         return [rk.rank for rk in stopped]
 
-    def _start_all(self) -> bool:
-        """Starts every rank; False when a Ctrl-C came meanwhile. A KeyboardInterrupt
-        raised inside Popen or Thread.start would leave a rank forked but unrecorded (its
-        own session: nothing would stop it), so the interrupt only sets a flag here."""
-        interrupted = False
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        """SIGINT (Ctrl-C) or SIGTERM (kill, a batch system cancelling the job): while
+        ranks are being started only noted (an exception raised inside Popen or
+        Thread.start would leave a rank forked but unrecorded, in a session of its own
+        that nothing would stop), afterwards raised where the main thread waits."""
+        if self._signal is None:
+            self._signal = signum
+        if not self._starting:
+            raise _Stopped(signum)
 
-        def note(_sig: int, _frame: object) -> None:
-            nonlocal interrupted
-            interrupted = True
-
-        main_thread = threading.current_thread() is threading.main_thread()
-        old = signal.signal(signal.SIGINT, note) if main_thread else None
-        try:
-            for rk in self.ranks:
-                self._start(rk)
-                if interrupted:
-                    break
-        finally:
-            if main_thread:
-                signal.signal(signal.SIGINT, old)
-        return not interrupted
+    def _handle_signals(self) -> dict[int, object]:
+        """Installs _on_signal (main thread only); SIGINT stays ignored where it is (a
+        background job of a shell), as POSIX asks. Returns what to restore."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        old: dict[int, object] = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                old[sig] = signal.signal(sig, self._on_signal)
+        return old
 
     def run(self) -> int:
         first: tuple[int, int] | None = None
         left = len(self.ranks)
+        self._signal = None
+        self._starting = True
+        old = self._handle_signals()
         try:
             try:
-                if not self._start_all():
-                    raise KeyboardInterrupt
+                for rk in self.ranks:
+                    self._start(rk)
+                    if self._signal is not None:
+                        break
             except OSError as e:
                 self._stop(self.ranks)
                 self.say(f"mrc-run: cannot start {self.ranks[0].argv[0]!r}: {e.strerror}")
                 return 127
+            self._starting = False
+            if self._signal is not None:
+                raise _Stopped(self._signal)
             deadline = time.monotonic() + self.time_limit if self.time_limit > 0 else None
             while left:
                 wait = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -366,11 +384,17 @@ class Launcher:
                     others = [r for r in self.ranks if r.rank != rank]
                     stopped = self._stop(others, settle=self.settle)
                     self._report(rank, rc, stopped)
-        except KeyboardInterrupt:
+        except (_Stopped, KeyboardInterrupt) as e:
+            signum = e.signum if isinstance(e, _Stopped) else signal.SIGINT
+            self._starting = True  # a second signal while stopping: noted, not raised
             stopped = self._stop(self.ranks)
-            self.say(f"mrc-run: interrupted; stopped ranks {', '.join(map(str, stopped))}")
+            what = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+            self.say(f"mrc-run: {what}; stopped ranks {', '.join(map(str, stopped))}")
             self._drain()
-            return 130
+            return 128 + signum
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
         self._drain()
         return 0 if first is None else exit_code(first[1])
 

@@ -132,8 +132,10 @@ def test_capture_summary_sees_transfer_and_retransmits(tmp_path: Path) -> None:
     assert acks.acks > 0 and acks.sack_ranges > 0
     # One ACK answers every plane that delivered in a receive pass: with two
     # planes busy, some ACKs echo both, and both planes' paths are echoed.
-    assert acks.echoes > acks.acks
-    assert all(conns[conn_a].paths[i].echoes > 0 for i in range(2))
+    seen = {i: (ps.acks, ps.echoes) for i, ps in conns[conn_a].paths.items()}
+    sent = [(q["plane"], q["tx_pkts"], q["state"]) for q in st["paths"]]
+    assert acks.echoes > acks.acks, f"ACKs, echoes per path {seen}; sender's paths {sent}"
+    assert all(conns[conn_a].paths[i].echoes > 0 for i in range(2)), (seen, sent)
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "mrc_capture.py"), "--json", str(pcap)],
         capture_output=True,

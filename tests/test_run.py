@@ -123,17 +123,34 @@ def test_missing_command_and_bad_hosts() -> None:
     assert res.returncode == 127 and "cannot start" in res.stdout
 
 
-def test_ctrl_c_stops_every_rank() -> None:
-    code = "import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(120)\n"
+def sigint_default() -> None:
+    """In the child, before exec: SIGINT as a terminal's foreground job has it. A shell
+    starts a background job (`make test &`, CI scripts) with SIGINT ignored, and mrc-run,
+    like any program, keeps a signal its parent ignored ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "said"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")],
+)
+def test_signal_stops_every_rank(sig: int, code: int, said: str) -> None:
+    """Ctrl-C, or SIGTERM (kill, a batch system cancelling the job): mrc-run stops every
+    rank (each in its own session: killing mrc-run alone would leave them running)."""
+    rank = "import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(120)\n"
     proc = subprocess.Popen(
-        [*MRC_RUN, "-n", "3", "--", *py(code)], stdout=subprocess.PIPE, text=True, cwd=ROOT
+        [*MRC_RUN, "-n", "3", "--", *py(rank)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        preexec_fn=sigint_default,
     )
     assert proc.stdout is not None
     pids = [int(proc.stdout.readline().split()[-1]) for _ in range(3)]
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 130
-    assert "interrupted; stopped ranks 0, 1, 2" in out
+    assert proc.returncode == code, out
+    assert f"{said}; stopped ranks 0, 1, 2" in out
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -176,9 +193,11 @@ def test_ctrl_c_while_ranks_start_leaves_none_running() -> None:
             signal.raise_signal(signal.SIGINT)  # to this thread; handled on return
 
     launcher._start = start  # type: ignore[method-assign]
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
     try:
         assert launcher.run() == 130
     finally:
+        signal.signal(signal.SIGINT, old)
         for rk in ranks:
             if rk.proc is not None and rk.proc.poll() is None:
                 rk.proc.kill()

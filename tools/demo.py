@@ -280,10 +280,11 @@ def collectives(fab: Any | None) -> bool:
 
 
 def stop_hung(p: subprocess.Popen[str]) -> None:
-    """The loop stopped: interrupt mrc-run, which stops its ranks (they run in sessions of
-    their own, so killing mrc-run alone would leave them behind), then kill it."""
+    """The loop stopped: SIGTERM to mrc-run, which stops its ranks (they run in sessions of
+    their own, so killing mrc-run alone would leave them behind), then kill it. Not SIGINT:
+    a demo started in the background (`make demo &`) runs with SIGINT ignored."""
     console.print(f"[red]the loop has not ended after {LOOP_DEADLINE_S:.0f} s: stopping it[/]")
-    p.send_signal(signal.SIGINT)
+    p.send_signal(signal.SIGTERM)
     try:
         p.wait(timeout=15)
     except subprocess.TimeoutExpired:
