@@ -151,7 +151,14 @@ def test_poll_returns_one_batch_of_at_most_max(pair) -> None:
         ops = [ca.send(ms, offset=k * 100, length=100, tag=k) for k in range(10)]
         for op in ops:
             op.wait(10)
-        # every SEND was acknowledged, so every RECV has completed
+        # Every SEND was acknowledged, but b sends a pass's ACKs before it publishes that
+        # pass's completions: one more message, sent after those ACKs came back, is taken
+        # in a later pass of b's loop, so once it too is acknowledged every RECV above is
+        # on the queue (polling for it instead would take the batch this test looks at).
+        fence = np.zeros(1, np.uint8)
+        r = cb.recv(b.register(fence), tag=99)
+        ca.send(a.register(np.ones(1, np.uint8)), tag=99).wait(10)
+        r.wait(10)
         first = cq.poll(4)
         rest = cq.poll(64)
         assert len(first) == 4 and len(rest) == 6
