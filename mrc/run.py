@@ -254,7 +254,7 @@ class Launcher:
         self._lock = threading.Lock()
         self._exits: queue.Queue[tuple[int, int]] = queue.Queue()
         self._signal: int | None = None  # SIGINT/SIGTERM received (run)
-        self._starting = True  # ranks still being started: a signal is only noted
+        self._defer_signals = True  # starting or stopping ranks: a signal is only noted
 
     def say(self, text: str) -> None:
         with self._lock:
@@ -332,12 +332,12 @@ class Launcher:
         that nothing would stop), afterwards raised where the main thread waits."""
         if self._signal is None:
             self._signal = signum
-        if not self._starting:
+        if not self._defer_signals:
             raise _Stopped(signum)
 
     def _handle_signals(self) -> dict[int, object]:
-        """Installs _on_signal (main thread only); SIGINT stays ignored where it is (a
-        background job of a shell), as POSIX asks. Returns what to restore."""
+        """Installs _on_signal (main thread only); a signal ignored stays ignored (SIGINT
+        in a shell's background job, as POSIX asks). Returns what to restore."""
         if threading.current_thread() is not threading.main_thread():
             return {}
         old: dict[int, object] = {}
@@ -349,8 +349,6 @@ class Launcher:
     def run(self) -> int:
         first: tuple[int, int] | None = None
         left = len(self.ranks)
-        self._signal = None
-        self._starting = True
         old = self._handle_signals()
         try:
             try:
@@ -362,7 +360,7 @@ class Launcher:
                 self._stop(self.ranks)
                 self.say(f"mrc-run: cannot start {self.ranks[0].argv[0]!r}: {e.strerror}")
                 return 127
-            self._starting = False
+            self._defer_signals = False
             if self._signal is not None:
                 raise _Stopped(self._signal)
             deadline = time.monotonic() + self.time_limit if self.time_limit > 0 else None
@@ -386,7 +384,7 @@ class Launcher:
                     self._report(rank, rc, stopped)
         except (_Stopped, KeyboardInterrupt) as e:
             signum = e.signum if isinstance(e, _Stopped) else signal.SIGINT
-            self._starting = True  # a second signal while stopping: noted, not raised
+            self._defer_signals = True  # a second signal while stopping: noted, not raised
             stopped = self._stop(self.ranks)
             what = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
             self.say(f"mrc-run: {what}; stopped ranks {', '.join(map(str, stopped))}")

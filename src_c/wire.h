@@ -92,8 +92,9 @@ struct mrc_ack_ext {
 static_assert(sizeof(struct mrc_ack_ext) == 80, "ack extension is 80 bytes");
 
 /* One ACK answers every path of its connection that delivered since the last
- * one: the header's path, ts and the extension's echo_psn are the first echo,
- * these follow the extension (the header's len counts their bytes). */
+ * one: the header's path and ts and the extension's echo_psn and echo_rx_ts
+ * are the first echo, these follow the extension (the header's len counts
+ * their bytes). */
 struct mrc_ack_echo {
     uint8_t path;
     uint8_t pad[3]; /* zero, ignored */
