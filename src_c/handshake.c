@@ -128,6 +128,9 @@ static int hello_apply(mrc_conn *c, const struct hello *h)
     c->peer_id = h->conn_id;
     c->rx_cum = h->init_psn;
     c->mss = h->mss < c->ep->cfg.mss ? h->mss : c->ep->cfg.mss;
+    c->burst = (int)(MRC_GSO_MAX_BYTES / (c->mss + MRC_DATA_HDR_LEN));
+    if (c->burst < 1)
+        c->burst = 1;
     c->window = h->window < c->ep->cfg.window ? h->window : c->ep->cfg.window;
     c->wmask = c->window - 1;
     memcpy(c->peer_name, h->name, sizeof(c->peer_name));

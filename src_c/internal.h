@@ -290,6 +290,9 @@ struct mrc_conn {
     uint32_t *rtxq;                  /* psns to retransmit, ring of window */
     uint32_t rtx_head, rtx_count;
     int rr;
+    /* New data goes to a path in bursts of up to `burst` packets (what one
+     * GSO datagram carries), not one packet per path in turn (path_pick_pt). */
+    int burst, burst_path, burst_left;
     uint64_t last_progress_ns;
     uint64_t last_acked_ns;    /* when some packet was last newly acknowledged */
     uint64_t rnr_until, rnr_backoff; /* receiver not ready: no sending before rnr_until */
@@ -485,6 +488,9 @@ int sock_path_pt(mrc_ep *ep, int plane, int nsegs, const struct in6_addr *segs);
 /* The type-4 routing header of a path's segments (a route socket's sticky
  * header, or what its seg6 route inserts); returns its length. */
 #define MRC_SRH_MAX (8 + 16 * MRC_MAX_SEGS)
+/* A UDP GSO datagram's IPv6 payload (UDP header, routing header, segments)
+ * must fit in 64 KiB. */
+#define MRC_GSO_MAX_BYTES (65535 - 8 - MRC_SRH_MAX)
 size_t sock_srh_build(uint8_t *srh, int nsegs, const struct in6_addr *segs);
 uint8_t *sock_tx_slot_pt(mrc_ep *ep, struct path *p, size_t hdrlen, const void *payload,
                          uint32_t len);
@@ -516,7 +522,7 @@ void rx_release_pt(mrc_conn *c, int err);
 void rx_copy_run_pt(mrc_ep *ep);
 
 /* path.c */
-struct path *path_pick_pt(mrc_conn *c, uint32_t len, int avoid);
+struct path *path_pick_pt(mrc_conn *c, uint32_t len, uint64_t rest, int avoid);
 struct path *path_for_ack_pt(mrc_conn *c, int id);
 void path_set_state_pt(mrc_conn *c, struct path *p, int state, uint64_t now);
 void path_on_rtt_pt(struct path *p, uint64_t rtt, uint64_t now);

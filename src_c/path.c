@@ -108,10 +108,32 @@ static int path_class(const struct path *p)
  * Next path for a packet of len bytes, round-robin over the best class of
  * paths (good, else suspect/probing) that have window room. avoid >= 0 is the
  * path that lost a retransmitted packet; it is used only when nothing else is.
+ *
+ * New data (rest > 0: the bytes of its message not yet sent, this packet's
+ * included) goes in bursts: a good path keeps the next packets until it has
+ * taken c->burst or its window is full, and a path that already has packets
+ * in flight starts a burst only once its window has room for a whole one
+ * (or half the window, or the rest of the message). Why: the packets of one
+ * path in a pass leave as one GSO datagram, which the kernel and every
+ * forwarding hop move as one buffer. Sprayed one packet per path in turn,
+ * the room an ACK opens (a few packets per path) made datagrams of 3-4
+ * packets; on a CPU-bound fabric their per-datagram cost is most of the
+ * cost (docs/architecture.md, "Batching").
  */
-struct path *path_pick_pt(mrc_conn *c, uint32_t len, int avoid)
+struct path *path_pick_pt(mrc_conn *c, uint32_t len, uint64_t rest, int avoid)
 {
     uint64_t need = len + MRC_PKT_OVERHEAD;
+    if (c->burst_left > 0 && c->burst_path < c->npaths) {
+        struct path *p = &c->paths[c->burst_path];
+        if (path_class(p) == 0 && p->id != avoid && p->inflight + need <= p->cwnd) {
+            c->burst_left--;
+            return p;
+        }
+        c->burst_left = 0;
+    }
+    uint64_t burst = (uint64_t)c->burst * need;
+    if (burst > rest + MRC_PKT_OVERHEAD)
+        burst = rest + MRC_PKT_OVERHEAD;
     for (int cls = 0; cls < 2; cls++) {
         bool any = false;
         struct path *fallback = NULL;
@@ -123,11 +145,16 @@ struct path *path_pick_pt(mrc_conn *c, uint32_t len, int avoid)
             any = true;
             if (p->inflight + need > p->cwnd && p->inflight)
                 continue;
+            if (rest && p->inflight && p->cwnd - p->inflight < burst &&
+                p->cwnd - p->inflight < p->cwnd / 2)
+                continue; /* wait for room for a burst */
             if (p->id == avoid) {
                 fallback = p;
                 continue;
             }
             c->rr = (i + 1) % c->npaths;
+            c->burst_path = i;
+            c->burst_left = rest ? c->burst - 1 : 0;
             return p;
         }
         if (fallback)

@@ -233,7 +233,6 @@ uint8_t *sock_tx_slot_pt(mrc_ep *ep, struct path *p, size_t hdrlen, const void *
 /* A UDP GSO datagram: at most 64 segments, and its IPv6 payload (with the
  * routing header) within 64 KiB. */
 #define GSO_MAX_SEGS 64
-#define GSO_MAX_BYTES (65535 - 8 - (8 + 16 * MRC_MAX_SEGS))
 
 static size_t pkt_len(const struct txbatch *b, int i)
 {
@@ -257,7 +256,7 @@ static int gso_group(struct msock *s, struct txbatch *b)
         int k = i + 1;
         if (!s->no_gso) {
             size_t total = seg;
-            while (k < b->n && k - i < GSO_MAX_SEGS && total + pkt_len(b, k) <= GSO_MAX_BYTES &&
+            while (k < b->n && k - i < GSO_MAX_SEGS && total + pkt_len(b, k) <= MRC_GSO_MAX_BYTES &&
                    pkt_len(b, k - 1) == seg && pkt_len(b, k) <= seg &&
                    b->msg[k].msg_hdr.msg_namelen == b->msg[i].msg_hdr.msg_namelen &&
                    memcmp(&b->dst[k], &b->dst[i], b->msg[i].msg_hdr.msg_namelen) == 0)

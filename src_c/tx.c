@@ -82,7 +82,7 @@ static bool tx_retransmit_pt(mrc_conn *c, uint64_t now)
             continue;
         }
         /* Always another path than the one that lost it, when there is one. */
-        struct path *p = path_pick_pt(c, t->len, t->path);
+        struct path *p = path_pick_pt(c, t->len, 0, t->path);
         if (!p || sock_batch_full_pt(c->ep, p->sock))
             break;
         t->lost = 0;
@@ -117,7 +117,7 @@ bool tx_run_pt(mrc_conn *c)
             break;
         uint64_t left = op->len - op->seg_off;
         uint32_t len = left < c->mss ? (uint32_t)left : c->mss;
-        struct path *p = path_pick_pt(c, len, -1);
+        struct path *p = path_pick_pt(c, len, left, -1);
         if (!p || sock_batch_full_pt(c->ep, p->sock))
             break;
         struct tx_pkt *t = tx_slot(c, c->next_psn);

@@ -403,6 +403,59 @@ static void test_congestion_is_one_way(void)
     }
 }
 
+/* New data goes to a path in bursts of c->burst packets, then to the next
+ * path; a path with packets in flight starts a burst only once its window has
+ * room for one (or for half the window, or for the rest of the message);
+ * retransmissions never wait for that room (path_pick_pt). */
+static void test_bursts_per_path(void)
+{
+    setup();
+    uint64_t need = 8192 + MRC_PKT_OVERHEAD;
+    c->npaths = 3;
+    c->burst = 7;
+    for (int i = 0; i < 3; i++) {
+        path_init(&c->paths[i], c->mss);
+        c->paths[i].id = i;
+        c->paths[i].cwnd = 64 * need;
+        c->path_index[i] = i;
+    }
+    uint64_t rest = 100 * 8192;
+    for (int k = 0; k < 21; k++) { /* 7 to each path in turn */
+        struct path *p = path_pick_pt(c, 8192, rest, -1);
+        CHECK(p && p->id == k / 7);
+        p->inflight += need;
+        rest -= 8192;
+    }
+    /* A full window ends a burst early. */
+    CHECK(path_pick_pt(c, 8192, rest, -1)->id == 0);
+    c->paths[0].inflight += need;
+    c->paths[0].cwnd = c->paths[0].inflight + need;
+    CHECK(path_pick_pt(c, 8192, rest, -1)->id == 0);
+    c->paths[0].inflight += need;
+    CHECK(path_pick_pt(c, 8192, rest, -1)->id == 1);
+    /* Room for 3 packets where a burst is 7 and half the window is 32:
+     * every path waits, but for a retransmission or a 2-packet rest. */
+    for (int i = 0; i < 3; i++) {
+        c->paths[i].cwnd = 64 * need;
+        c->paths[i].inflight = 61 * need;
+    }
+    c->burst_left = 0;
+    CHECK(path_pick_pt(c, 8192, rest, -1) == NULL);
+    CHECK(path_pick_pt(c, 8192, 0, -1) != NULL);
+    CHECK(path_pick_pt(c, 8192, 2 * 8192, -1) != NULL);
+    /* A small window starts a burst at half its size. */
+    c->paths[2].cwnd = 8 * need;
+    c->paths[2].inflight = 4 * need;
+    c->burst_left = 0;
+    CHECK(path_pick_pt(c, 8192, rest, -1)->id == 2);
+    /* An idle path always takes data, whatever its window. */
+    c->paths[1].inflight = 0;
+    c->paths[1].cwnd = need / 2;
+    c->burst_left = 0;
+    CHECK(path_pick_pt(c, 8192, rest, -1)->id == 1);
+    teardown();
+}
+
 int main(void)
 {
     test_sack_fill_words();
@@ -415,6 +468,7 @@ int main(void)
     test_ack_path_turns();
     test_far_echoes_split();
     test_congestion_is_one_way();
+    test_bursts_per_path();
     DONE("test_path");
     return 0;
 }
