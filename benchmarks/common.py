@@ -36,6 +36,7 @@ def ensure_tool(cmd: str, package: str) -> str:
 
 
 _BUSY_BEFORE: float | None = None
+_STAT_AT_START: tuple[int, int, int] | None = None
 IDLE_BELOW = 0.1  # busy cores in the second before a run: under this, an idle machine
 
 
@@ -43,18 +44,31 @@ def busy_cores(seconds: float = 1.0) -> float:
     """Cores busy on the whole machine over `seconds` (/proc/stat, a measurement
     interval): taken before a run, it says whether its numbers come from an otherwise
     idle machine, as committed numbers must."""
-    t0, i0 = CpuMeter._stat()
+    t0, i0, s0 = CpuMeter._stat()
     time.sleep(seconds)
-    t1, i1 = CpuMeter._stat()
+    t1, i1, s1 = CpuMeter._stat()
     jiffies = t1 - t0
-    return round((jiffies - (i1 - i0)) / jiffies * (os.cpu_count() or 1), 3) if jiffies else 0.0
+    busy = jiffies - (i1 - i0) - (s1 - s0)
+    return round(busy / jiffies * (os.cpu_count() or 1), 3) if jiffies else 0.0
+
+
+def steal_since_start() -> float | None:
+    """The share of the machine's CPU time the hypervisor gave to someone else since
+    record_load() (/proc/stat steal): on a shared VM the reason one run of a
+    CPU-bound benchmark is 20-30% slower than the next."""
+    if _STAT_AT_START is None:
+        return None
+    total, _, steal = CpuMeter._stat()
+    jiffies = total - _STAT_AT_START[0]
+    return round((steal - _STAT_AT_START[2]) / jiffies, 3) if jiffies else 0.0
 
 
 def record_load() -> float:
     """Call first in a benchmark's main: the machine's load before the run goes into
     every result it saves (machine.busy_cores_before_run, machine.idle)."""
-    global _BUSY_BEFORE
+    global _BUSY_BEFORE, _STAT_AT_START
     _BUSY_BEFORE = busy_cores()
+    _STAT_AT_START = CpuMeter._stat()
     if _BUSY_BEFORE >= IDLE_BELOW:
         print(f"note: {_BUSY_BEFORE:.2f} cores busy before the run: the machine is not idle")
     return _BUSY_BEFORE
@@ -78,6 +92,7 @@ def machine() -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "busy_cores_before_run": _BUSY_BEFORE,
         "idle": None if _BUSY_BEFORE is None else _BUSY_BEFORE < IDLE_BELOW,
+        "steal_during_run": steal_since_start(),
     }
 
 
@@ -91,9 +106,10 @@ def save(name: str, data: dict[str, Any]) -> Path:
 class CpuMeter:
     """CPU spent while the block runs, two ways: by the processes it started and
     waited for (getrusage of the children: user + system), and by the whole machine
-    (/proc/stat: every non-idle jiffy, which also holds the kernel's softirq work of
-    forwarding through the fabric's namespaces, and anything else running). On a
-    machine shared with other work the second is an upper bound.
+    (/proc/stat: every jiffy neither idle nor stolen by the hypervisor, which also
+    holds the kernel's softirq work of forwarding through the fabric's namespaces,
+    and anything else running). On a machine shared with other work the second is an
+    upper bound. machine_steal: the share of the machine's time stolen meanwhile.
 
         with CpuMeter() as cpu:
             ...run and wait for the processes...
@@ -101,11 +117,11 @@ class CpuMeter:
     """
 
     @staticmethod
-    def _stat() -> tuple[int, int]:
+    def _stat() -> tuple[int, int, int]:
+        """(all jiffies, idle + iowait, steal); guest time is inside user."""
         with open("/proc/stat") as f:
             fields = [int(v) for v in f.readline().split()[1:]]
-        idle = fields[3] + fields[4]  # idle + iowait
-        return sum(fields[:8]), idle  # user..steal; guest time is inside user
+        return sum(fields[:8]), fields[3] + fields[4], fields[7]
 
     def __enter__(self) -> CpuMeter:
         import resource
@@ -119,14 +135,16 @@ class CpuMeter:
         import resource
 
         ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-        total, idle = self._stat()
+        total, idle, steal = self._stat()
         self.elapsed = time.monotonic() - self._t0
         self.proc_cpu_s = (ru.ru_utime - self._ru.ru_utime) + (ru.ru_stime - self._ru.ru_stime)
         jiffies = total - self._stat0[0]
-        busy = jiffies - (idle - self._stat0[1])
+        stolen = steal - self._stat0[2]
+        busy = jiffies - (idle - self._stat0[1]) - stolen
         hz = os.sysconf("SC_CLK_TCK")
         self.machine_busy_cpu_s = busy / hz
         self.machine_idle = (idle - self._stat0[1]) / jiffies if jiffies else 0.0
+        self.machine_steal = stolen / jiffies if jiffies else 0.0
 
     def result(self, gigabytes: float) -> dict[str, Any]:
         gb = gigabytes or float("nan")
@@ -137,6 +155,7 @@ class CpuMeter:
             "machine_busy_cpu_s": round(self.machine_busy_cpu_s, 3),
             "machine_busy_cpu_s_per_gb": round(self.machine_busy_cpu_s / gb, 3),
             "machine_idle": round(self.machine_idle, 3),
+            "machine_steal": round(self.machine_steal, 3),
         }
 
 

@@ -169,7 +169,8 @@ def summarise(name: str, run: dict[str, Any]) -> dict[str, Any]:
         f"{name:18s} {total:6.2f} of {row['line_gbps']:.0f} Gb/s ({row['ratio_of_line']:.3f})"
         f"  per hop {per_hop}"
         f"  CPU-s/GB: processes {row['proc_cpu_s_per_gb']:.2f},"
-        f" machine {row['machine_busy_cpu_s_per_gb']:.2f} (idle {row['machine_idle']:.0%})"
+        f" machine {row['machine_busy_cpu_s_per_gb']:.2f} (idle {row['machine_idle']:.0%},"
+        f" stolen {row['machine_steal']:.0%})"
     )
     return row
 
