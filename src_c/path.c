@@ -116,9 +116,9 @@ static int path_class(const struct path *p)
  * (or half the window, or the rest of the message). Why: the packets of one
  * path in a pass leave as one GSO datagram, which the kernel and every
  * forwarding hop move as one buffer. Sprayed one packet per path in turn,
- * the room an ACK opens (a few packets per path) made datagrams of 3-4
- * packets; on a CPU-bound fabric their per-datagram cost is most of the
- * cost (docs/architecture.md, "Batching").
+ * the room an ACK opens (a few packets per path) made data datagrams of
+ * 4.3-4.8 packets where 7 fit; on a CPU-bound fabric the per-datagram work
+ * is most of the cost (docs/architecture.md, "Batching").
  */
 struct path *path_pick_pt(mrc_conn *c, uint32_t len, uint64_t rest, int avoid)
 {
