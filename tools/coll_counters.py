@@ -3,12 +3,14 @@
 Where does a collective's time go on the shaped fabric? all_reduce f32 sum with 4 ranks
 under mrc-run on routing/4host-4plane-1g.toml, each SIZES (bytes, comma-separated;
 default 8,1048576,67108864) ITERS times (x30 up to 1 MiB). Prints per rank the median
-time, busbw (nccl-tests' 2(n-1)/n) and the endpoint counters that moved (lost_rto,
-lost_rack, probe_timeouts, rnr_naks, staged_msgs, and the receivers' duplicates: a
-packet declared lost that had arrived), rank 0's per-path (conn, plane, srtt us, base
-RTT us, cwnd KiB, lost, state changes); then, per host, the UDP6 counters (RcvbufErrors:
-socket overflow) and the qdisc drops of every namespace of the fabric. Drops zero with
-duplicates about lost_rto means the timeouts were spurious: slow, not lost.
+time, busbw (nccl-tests' 2(n-1)/n), data_pkts_per_send (data packets per datagram
+handed to the kernel: the GSO batches the fabric forwards) and the endpoint counters
+that moved (lost_rto, lost_rack, probe_timeouts, rnr_naks, staged_msgs, and the
+receivers' duplicates: a packet declared lost that had arrived), rank 0's per-path
+(conn, plane, srtt us, base RTT us, cwnd KiB, lost, state changes); then, per host,
+the UDP6 counters (RcvbufErrors: socket overflow) and the qdisc drops of every
+namespace of the fabric. Drops zero with duplicates about lost_rto means the timeouts
+were spurious: slow, not lost.
 MRC_ROUTES=planes in the environment: one plain-IPv6 path per plane instead of the route
 table's SRv6 paths (mrc.Communicator's routes).
 
@@ -73,6 +75,12 @@ def rank_main(sizes: list[int], iters: int) -> None:
             "busbw_gbps": round(nbytes * 2 * (comm.size - 1) / comm.size / med * 8e-9, 3),
             **{k: after[k] - before[k] for k in after},
         }
+        # Data packets per datagram the sender handed the kernel (ACKs are one
+        # packet each): what the fabric's per-datagram work scales with.
+        data_sends = row["tx_sends"] - row["acks_tx"]
+        row["data_pkts_per_send"] = (
+            round((row["tx_pkts"] - row["acks_tx"]) / data_sends, 2) if data_sends > 0 else None
+        )
         print(json.dumps(row), flush=True)
         if comm.rank == 0:
             paths = [
