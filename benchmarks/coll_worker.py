@@ -61,8 +61,8 @@ COLLS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 def machine_busy() -> tuple[float, float]:
     """(busy jiffies, total jiffies) over all CPUs, from common.CpuMeter's /proc/stat
     (busy: neither idle nor stolen by the hypervisor)."""
-    total, idle, steal = CpuMeter._stat()
-    return float(total - idle - steal), float(total)
+    total, busy, _ = CpuMeter._stat()
+    return float(busy), float(total)
 
 
 class Backend:

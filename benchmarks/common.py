@@ -44,12 +44,11 @@ def busy_cores(seconds: float = 1.0) -> float:
     """Cores busy on the whole machine over `seconds` (/proc/stat, a measurement
     interval): taken before a run, it says whether its numbers come from an otherwise
     idle machine, as committed numbers must."""
-    t0, i0, s0 = CpuMeter._stat()
+    t0, b0, _ = CpuMeter._stat()
     time.sleep(seconds)
-    t1, i1, s1 = CpuMeter._stat()
+    t1, b1, _ = CpuMeter._stat()
     jiffies = t1 - t0
-    busy = jiffies - (i1 - i0) - (s1 - s0)
-    return round(busy / jiffies * (os.cpu_count() or 1), 3) if jiffies else 0.0
+    return round((b1 - b0) / jiffies * (os.cpu_count() or 1), 3) if jiffies else 0.0
 
 
 def steal_since_start() -> float | None:
@@ -118,10 +117,12 @@ class CpuMeter:
 
     @staticmethod
     def _stat() -> tuple[int, int, int]:
-        """(all jiffies, idle + iowait, steal); guest time is inside user."""
+        """(all jiffies, busy, steal) since boot; busy: neither idle, iowait nor
+        stolen by the hypervisor. Guest time is inside user."""
         with open("/proc/stat") as f:
             fields = [int(v) for v in f.readline().split()[1:]]
-        return sum(fields[:8]), fields[3] + fields[4], fields[7]
+        total = sum(fields[:8])
+        return total, total - fields[3] - fields[4] - fields[7], fields[7]
 
     def __enter__(self) -> CpuMeter:
         import resource
@@ -135,15 +136,15 @@ class CpuMeter:
         import resource
 
         ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-        total, idle, steal = self._stat()
+        total, busy, steal = self._stat()
         self.elapsed = time.monotonic() - self._t0
         self.proc_cpu_s = (ru.ru_utime - self._ru.ru_utime) + (ru.ru_stime - self._ru.ru_stime)
         jiffies = total - self._stat0[0]
+        busy -= self._stat0[1]
         stolen = steal - self._stat0[2]
-        busy = jiffies - (idle - self._stat0[1]) - stolen
         hz = os.sysconf("SC_CLK_TCK")
         self.machine_busy_cpu_s = busy / hz
-        self.machine_idle = (idle - self._stat0[1]) / jiffies if jiffies else 0.0
+        self.machine_idle = (jiffies - busy - stolen) / jiffies if jiffies else 0.0
         self.machine_steal = stolen / jiffies if jiffies else 0.0
 
     def result(self, gigabytes: float) -> dict[str, Any]:
