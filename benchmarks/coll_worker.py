@@ -51,17 +51,17 @@ _bind()
 
 import click  # noqa: E402 (after the binding: imports may start threads)
 import numpy as np  # noqa: E402
-from common import CpuMeter  # noqa: E402
 
 from mrc.perf.coll import busbw_factor  # noqa: E402
+from mrc.perf.stats import machine_jiffies  # noqa: E402
 
 COLLS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
 
 def machine_busy() -> tuple[float, float]:
-    """(busy jiffies, total jiffies) over all CPUs, from common.CpuMeter's /proc/stat
-    (busy: neither idle nor stolen by the hypervisor)."""
-    total, busy, _ = CpuMeter._stat()
+    """(busy jiffies, total jiffies) over all CPUs, from /proc/stat (busy: neither
+    idle, iowait nor stolen by the hypervisor)."""
+    total, busy, _ = machine_jiffies()
     return float(busy), float(total)
 
 

@@ -7,9 +7,12 @@ import os
 import platform
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from mrc.perf.stats import machine_jiffies
 
 # OpenBLAS worker threads spin and steal the two cores the datapath needs.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -44,9 +47,9 @@ def busy_cores(seconds: float = 1.0) -> float:
     """Cores busy on the whole machine over `seconds` (/proc/stat, a measurement
     interval): taken before a run, it says whether its numbers come from an otherwise
     idle machine, as committed numbers must."""
-    t0, b0, _ = CpuMeter._stat()
+    t0, b0, _ = machine_jiffies()
     time.sleep(seconds)
-    t1, b1, _ = CpuMeter._stat()
+    t1, b1, _ = machine_jiffies()
     jiffies = t1 - t0
     return round((b1 - b0) / jiffies * (os.cpu_count() or 1), 3) if jiffies else 0.0
 
@@ -57,7 +60,7 @@ def steal_since_start() -> float | None:
     CPU-bound benchmark is 20-30% slower than the next."""
     if _STAT_AT_START is None:
         return None
-    total, _, steal = CpuMeter._stat()
+    total, _, steal = machine_jiffies()
     jiffies = total - _STAT_AT_START[0]
     return round((steal - _STAT_AT_START[2]) / jiffies, 3) if jiffies else 0.0
 
@@ -67,7 +70,7 @@ def record_load() -> float:
     every result it saves (machine.busy_cores_before_run, machine.idle)."""
     global _BUSY_BEFORE, _STAT_AT_START
     _BUSY_BEFORE = busy_cores()
-    _STAT_AT_START = CpuMeter._stat()
+    _STAT_AT_START = machine_jiffies()
     if _BUSY_BEFORE >= IDLE_BELOW:
         print(f"note: {_BUSY_BEFORE:.2f} cores busy before the run: the machine is not idle")
     return _BUSY_BEFORE
@@ -115,20 +118,11 @@ class CpuMeter:
         cpu.result(gigabytes)  # {"proc_cpu_s", "machine_busy_cpu_s", "*_per_gb", ...}
     """
 
-    @staticmethod
-    def _stat() -> tuple[int, int, int]:
-        """(all jiffies, busy, steal) since boot; busy: neither idle, iowait nor
-        stolen by the hypervisor. Guest time is inside user."""
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-        total = sum(fields[:8])
-        return total, total - fields[3] - fields[4] - fields[7], fields[7]
-
     def __enter__(self) -> CpuMeter:
         import resource
 
         self._ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-        self._stat0 = self._stat()
+        self._stat0 = machine_jiffies()
         self._t0 = time.monotonic()
         return self
 
@@ -136,7 +130,7 @@ class CpuMeter:
         import resource
 
         ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-        total, busy, steal = self._stat()
+        total, busy, steal = machine_jiffies()
         self.elapsed = time.monotonic() - self._t0
         self.proc_cpu_s = (ru.ru_utime - self._ru.ru_utime) + (ru.ru_stime - self._ru.ru_stime)
         jiffies = total - self._stat0[0]
@@ -160,12 +154,63 @@ class CpuMeter:
         }
 
 
+class CpuTrace:
+    """The machine's CPU time (/proc/stat, as CpuMeter) sampled every `interval` seconds
+    while the block runs, so that CPU per byte can be taken over the window in which
+    every flow of a run is moving, without the processes' start and exit (eight Python
+    processes importing, filling and hashing their buffers: 6-7 CPU-s, 0.8 CPU-s/GB of a
+    5 s mrc ring, measured by running it for 2 and 8 s).
+
+        with CpuTrace() as trace:
+            ...run...
+        trace.window(t0, t1)  # {"cpu_s", "steal", "seconds"} between Unix times t0, t1
+    """
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.samples: list[tuple[float, int, int, int]] = []  # (time, all, busy, steal)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        self.samples.append((time.time(), *machine_jiffies()))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> CpuTrace:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def window(self, t0: float, t1: float) -> dict[str, float] | None:
+        """Busy CPU-seconds and the stolen share between the first sample at or after t0
+        and the last at or before t1 (None when fewer than two samples fall inside)."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if len(inside) < 2:
+            return None
+        (ta, alla, busya, steala), (tb, allb, busyb, stealb) = inside[0], inside[-1]
+        hz = os.sysconf("SC_CLK_TCK")
+        return {
+            "seconds": tb - ta,
+            "cpu_s": (busyb - busya) / hz,
+            "steal": (stealb - steala) / (allb - alla) if allb > alla else 0.0,
+        }
+
+
 def iperf3_tcp_streams(
     fab: Any, streams: list[tuple[str, str, int]], seconds: float
 ) -> list[dict[str, Any]]:
     """iperf3 TCP streams all at once on a running fabric: for each (src host, dst host,
     plane) a server in dst bound to that plane's address, then a client in src bound to
-    its own plane address, for `seconds`. Returns per stream Gb/s and bytes received."""
+    its own plane address, for `seconds`. Returns per stream Gb/s, bytes received and
+    t_start (Unix time its client was started)."""
     from mrc.fabric.testing import wait_tcp_listening
     from mrc.routing import host_planes
 
@@ -181,9 +226,9 @@ def iperf3_tcp_streams(
     for i, (src, dst, plane) in enumerate(streams):
         s, d = host_planes(fab.fabric, src)[plane], host_planes(fab.fabric, dst)[plane]
         cmd = [iperf, "-c", d, "-B", s, "-p", str(5201 + i), "-t", str(seconds), "-J"]
-        clis.append(fab.popen(src, cmd, stdout=subprocess.PIPE))
+        clis.append((time.time(), fab.popen(src, cmd, stdout=subprocess.PIPE)))
     out = []
-    for (src, dst, plane), c in zip(streams, clis, strict=True):
+    for (src, dst, plane), (t_start, c) in zip(streams, clis, strict=True):
         text, _ = c.communicate(timeout=seconds + 30)
         end = json.loads(text)["end"]["sum_received"]
         out.append(
@@ -193,6 +238,7 @@ def iperf3_tcp_streams(
                 "plane": plane,
                 "gbps": end["bits_per_second"] / 1e9,
                 "bytes": end["bytes"],
+                "t_start": t_start,
             }
         )
     for s in srvs:

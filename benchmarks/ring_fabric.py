@@ -15,9 +15,13 @@ other:
 2. iperf3 TCP with one stream per plane per hop (16 streams at once).
 
 For each: Gbit/s per hop and in all, the share of line, mrc / TCP, and CPU per byte:
-CPU-seconds per GB moved, of the processes (getrusage of the children) and of the whole
-machine (/proc/stat busy time, which includes the kernel's forwarding through the
-switch namespaces; on a machine shared with other work it is an upper bound).
+CPU-seconds per GB moved by the whole machine (/proc/stat busy time, which includes the
+kernel's forwarding through the switch namespaces; on a machine shared with other work
+it is an upper bound) over the window in which all four hops move data (mrc: the
+intersection of the clients' measured loops, `mrc-perf --cpu_util`; iperf3: from 1 s
+after the last client started to 0.2 s before the first one ends), and, over the whole
+run with the processes' start and exit, of the processes (getrusage of the children)
+and of the machine.
 
     python benchmarks/ring_fabric.py [-D 8] [-s 1048576] [--levers]
 
@@ -35,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from common import RESULTS, CpuMeter, iperf3_tcp_streams, record_load, save
+from common import RESULTS, CpuMeter, CpuTrace, iperf3_tcp_streams, record_load, save
 
 from mrc.fabric.testing import fabric_up
 from mrc.routing import host_planes
@@ -69,7 +73,7 @@ def mrc_ring(
     plain: each host's planes as plain IP paths (plane k -> peer plane k over the
     fabric's IPv6 routes, no SRH, no choice of spine) instead of the fabric's SRv6 paths."""
     opts = ["-s", str(size), "-D", str(seconds)]
-    opts += ["--report_gbits", "--out_json", "--quiet", "--verify"]
+    opts += ["--report_gbits", "--out_json", "--quiet", "--verify", "--cpu_util"]
     penv = {**os.environ, **env}
 
     def where(host: str) -> list[str]:
@@ -80,7 +84,7 @@ def mrc_ring(
     def peer(host: str) -> str:
         return host_planes(fab.fabric, host)[0] if plain else host
 
-    with CpuMeter() as cpu:
+    with CpuTrace() as trace, CpuMeter() as cpu:
         servers, ports = {}, {}
         for _, dst in RING:
             p = fab.popen(
@@ -126,16 +130,21 @@ def mrc_ring(
                 "bytes": row["bytes"] * row["iterations"],
                 "verified": r["verify"] == "PASS",
                 "retx": sum(p["retx"] for p in r["paths"]),
+                "cpu_window": row["cpu_window"],
             }
         )
-    return {"hops": hops, "cpu": cpu}
+    t0 = max(h["cpu_window"][0] for h in hops)
+    t1 = min(h["cpu_window"][1] for h in hops)
+    return {"hops": hops, "cpu": cpu, "window": trace.window(t0, t1)}
 
 
 def tcp_ring(fab: Any, seconds: float) -> dict[str, Any]:
     """iperf3 TCP: a stream per plane on every hop of the ring, all 16 at once."""
     streams = [(src, dst, plane) for src, dst in RING for plane in range(PLANES)]
-    with CpuMeter() as cpu:
+    with CpuTrace() as trace, CpuMeter() as cpu:
         per_stream = iperf3_tcp_streams(fab, streams, seconds)
+    t0 = max(s["t_start"] for s in per_stream) + 1.0
+    window = trace.window(t0, min(s["t_start"] for s in per_stream) + seconds - 0.2)
     hops = []
     for src, dst in RING:
         mine = [s for s in per_stream if (s["src"], s["dst"]) == (src, dst)]
@@ -148,7 +157,7 @@ def tcp_ring(fab: Any, seconds: float) -> dict[str, Any]:
                 "per_plane_gbps": [round(s["gbps"], 3) for s in mine],
             }
         )
-    return {"hops": hops, "cpu": cpu}
+    return {"hops": hops, "cpu": cpu, "window": window}
 
 
 def summarise(name: str, run: dict[str, Any]) -> dict[str, Any]:
@@ -164,13 +173,23 @@ def summarise(name: str, run: dict[str, Any]) -> dict[str, Any]:
         "hops": hops,
         **run["cpu"].result(gb),
     }
+    w = run["window"]
+    if w is None or w["seconds"] <= 0:
+        raise SystemExit(f"{name}: the hops' measured windows do not overlap (runs too short?)")
+    # GB moved in the window, at each hop's average rate.
+    row["window"] = {
+        "seconds": round(w["seconds"], 3),
+        "machine_busy_cpu_s": round(w["cpu_s"], 3),
+        "machine_busy_cpu_s_per_gb": round(w["cpu_s"] / (total / 8 * w["seconds"]), 3),
+        "machine_steal": round(w["steal"], 3),
+    }
     per_hop = ", ".join(f"{h['gbps']:.2f}" for h in hops)
     click.echo(
         f"{name:18s} {total:6.2f} of {row['line_gbps']:.0f} Gb/s ({row['ratio_of_line']:.3f})"
-        f"  per hop {per_hop}"
-        f"  CPU-s/GB: processes {row['proc_cpu_s_per_gb']:.2f},"
-        f" machine {row['machine_busy_cpu_s_per_gb']:.2f} (idle {row['machine_idle']:.0%},"
-        f" stolen {row['machine_steal']:.0%})"
+        f"  per hop {per_hop}  CPU-s/GB (machine) {row['window']['machine_busy_cpu_s_per_gb']:.2f}"
+        f" while all hops ran ({w['seconds']:.1f} s, stolen {w['steal']:.0%});"
+        f" whole run: processes {row['proc_cpu_s_per_gb']:.2f},"
+        f" machine {row['machine_busy_cpu_s_per_gb']:.2f} (idle {row['machine_idle']:.0%})"
     )
     return row
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mrc.perf.stats import bw_result, lat_result, percentile
+from mrc.perf.stats import bw_result, lat_result, machine_jiffies, percentile
 
 CLI = [sys.executable, "-m", "mrc.perf.cli"]
 TIMEOUT = 30
@@ -38,6 +38,8 @@ def parse_table(out: str) -> tuple[str, list[dict[str, float]]]:
     start = next(i for i, line in enumerate(lines) if line.startswith(" #bytes"))
     header = lines[start]
     cols = BW_COLS if "BW peak" in header else LAT_COLS
+    if "CPU_Util" in header:
+        cols = [*cols, "cpu_util"]
     rows = []
     for line in lines[start + 1 :]:
         if line.startswith("---"):
@@ -190,6 +192,33 @@ def test_all_sizes_send_bw() -> None:
     assert re.search(r"Verify\s+: PASS", r.stdout)
 
 
+def test_cpu_util_column_and_json() -> None:
+    """--cpu_util (perftest's): the machine's busy share over the measured loop, in the
+    table's last column and in the JSON with the loop's wall-clock window."""
+    t0 = time.time()
+    r = run(["write_bw", "--local", "--nplanes", "2", "-D", "0.5", "-s", "4096", "-t", "32",
+             "--cpu_util", "--out_json"])  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    header, rows = parse_table(r.stdout)
+    assert header.endswith("CPU_Util[%]")
+    res = json_after_table(r.stdout)["results"][0]
+    assert 0 < rows[0]["cpu_util"] <= 100 and rows[0]["cpu_util"] == round(res["cpu_util"], 2)
+    assert 0 <= res["cpu_steal"] <= 100
+    start, end = res["cpu_window"]
+    assert t0 < start and end - start >= 0.5 and end < time.time()
+
+
+def test_machine_jiffies_count_this_process() -> None:
+    """The busy time --cpu_util reads holds this process's own CPU time."""
+    hz = os.sysconf("SC_CLK_TCK")
+    all0, busy0, _ = machine_jiffies()
+    spent = time.process_time()
+    while time.process_time() - spent < 0.3:
+        pass
+    all1, busy1, steal1 = machine_jiffies()
+    assert busy1 - busy0 >= 0.25 * hz and all1 - all0 >= busy1 - busy0
+
+
 @pytest.mark.parametrize("size", ["1", "16777216", "abc"])
 def test_bad_size_is_a_usage_error(size: str) -> None:
     r = run(["write_bw", "-s", size, "127.0.0.1"])
@@ -205,6 +234,8 @@ def test_bad_size_is_a_usage_error(size: str) -> None:
         (["write_bw", "--loss", "0:200"], "percent"),
         (["write_bw", "--fail-plane", "3@1"], "plane 3 does not exist"),
         (["write_bw", "--fabric", "/nonexistent"], "does not exist"),
+        (["write_bw", "--cpu_util", "127.0.0.1"], "-D/--duration"),
+        (["write_lat", "--cpu_util", "-D", "1"], "bw test"),
     ],
 )
 def test_bad_options_are_usage_errors(args: list[str], match: str) -> None:

@@ -165,6 +165,14 @@ def common_options(f: F) -> F:
             help="Endpoint timeout: a peer silent on every path this long is gone.",
         ),
         click.option(
+            "--cpu_util",
+            "--cpu-util",
+            "cpu_util",
+            is_flag=True,
+            help="Show the machine's CPU use (busy %, from /proc/stat) over each measured"
+            " run, as perftest does; bw tests with -D.",
+        ),
+        click.option(
             "--report_gbits",
             "--report-gbits",
             "report_gbits",
@@ -252,6 +260,8 @@ def _run(test: str, **kw: Any) -> None:
     loss = [_plane_loss(v) for v in kw["loss"]]
     if not is_bw and kw["qps"] != 1:
         raise click.UsageError("latency tests use one connection (-q 1), like perftest")
+    if kw["cpu_util"] and not (is_bw and kw["duration"]):
+        raise click.UsageError("--cpu_util needs a bw test and -D/--duration (as in perftest)")
     if kw["all_sizes"] and kw["size"] is not None:
         raise click.UsageError("-a/--all and -s/--size exclude each other")
     if bool(kw["fabric"]) != bool(kw["host"]):
@@ -288,6 +298,7 @@ def _run(test: str, **kw: Any) -> None:
         out_json=kw["out_json"],
         out_json_file=kw["out_json_file"],
         quiet=kw["quiet"],
+        cpu_util=kw["cpu_util"],
         planes_given=bool(kw["planes"] or kw["fabric"]),
     )
     fabric = (kw["fabric"], kw["host"]) if kw["fabric"] else None

@@ -61,6 +61,7 @@ class PerfOptions:
     out_json: bool = False
     out_json_file: str | None = None
     quiet: bool = False
+    cpu_util: bool = False  # perftest's --cpu_util: the machine's CPU use in the table
     planes_given: bool = False  # --planes on the command line (else the defaults)
 
     @property

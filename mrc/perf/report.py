@@ -82,15 +82,18 @@ def _mss_text(mine: int, mss: tuple[int, int, int | None] | None) -> str:
 
 def table_header(opts: PerfOptions) -> str:
     if opts.is_bw:
-        return BW_HEADER.format(u="Gb/sec" if opts.report_gbits else "MB/sec")
+        head = BW_HEADER.format(u="Gb/sec" if opts.report_gbits else "MB/sec")
+        return head + ("    CPU_Util[%]" if opts.cpu_util else "")
     return LAT_HEADER
 
 
-def bw_row(r: BwResult) -> str:
+def bw_row(r: BwResult, cpu_util: bool = False) -> str:
+    """cpu_util: add the CPU_Util column (this side asked for it; the client measures)."""
     # perftest: " %-7lu    %-7lu          %-7.2lf            %-7.2lf\t\t   %-7.6lf"
     return (
         f" {r.bytes:<7d}    {r.iterations:<7d}          {r.bw_peak:<7.2f}"
         f"            {r.bw_avg:<7.2f}\t\t   {r.msg_rate_mpps:<7.6f}"
+        + (f"\t    {r.cpu_util:<7.2f}" if cpu_util and r.cpu_util is not None else "")
     )
 
 

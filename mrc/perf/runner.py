@@ -40,7 +40,7 @@ import mrc  # noqa: E402
 from mrc.perf import report  # noqa: E402
 from mrc.perf.control import DATA_TAG, Control, PeerGone  # noqa: E402
 from mrc.perf.options import PerfOptions, mismatches  # noqa: E402
-from mrc.perf.stats import BwResult, LatResult, bw_result, lat_result  # noqa: E402
+from mrc.perf.stats import BwResult, CpuUtil, LatResult, bw_result, lat_result  # noqa: E402
 
 PROTO = 1
 BUF_CAP = 64 << 20  # bytes of slots per side for bandwidth tests (see slots())
@@ -266,7 +266,9 @@ class Session:
 
     def row(self, r: BwResult | LatResult) -> None:
         self.results.append(r)
-        self.print(report.bw_row(r) if isinstance(r, BwResult) else report.lat_row(r))
+        self.print(
+            report.bw_row(r, self.opts.cpu_util) if isinstance(r, BwResult) else report.lat_row(r)
+        )
 
     def finish(self) -> int:
         obs = self.observer
@@ -653,6 +655,9 @@ def _bw_client(
     comps: list[float] = []
     sent = [0] * nq
     i = 0
+    cpu = CpuUtil() if opts.cpu_util else None
+    if cpu:
+        cpu.start()
     t0 = time.perf_counter()
     deadline = t0 + opts.duration if opts.duration else None
     try:
@@ -680,7 +685,8 @@ def _bw_client(
             comps.append(time.perf_counter())
     except mrc.MrcError as e:
         raise PerfError(f"{opts.test} of {size} bytes failed after {len(comps)} ops: {e}") from e
-    return bw_result(size, t0, comps, opts.report_gbits, window), sent
+    used = cpu.stop() if cpu else None
+    return bw_result(size, t0, comps, opts.report_gbits, window, used), sent
 
 
 def _lat_client(

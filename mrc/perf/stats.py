@@ -2,12 +2,14 @@
 
 Units follow perftest: MB/sec is 2^20 bytes per second, Gb/sec is 10^9 bits per second,
 MsgRate is 10^6 messages per second. Latency is half the measured round trip (perftest's
-*_lat tests report one-way time the same way); t_typical is the median.
+*_lat tests report one-way time the same way); t_typical is the median. CPU_Util (perftest's
+--cpu_util) is the whole machine's, from /proc/stat, over the measured loop.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,6 +25,11 @@ class BwResult:
     msg_rate_mpps: float
     units: str  # "Gb/sec" or "MB/sec"
     seconds: float
+    # --cpu_util: the machine's busy share (%), the share stolen by the hypervisor (%),
+    # and the measured loop's wall-clock window [start, end] in Unix seconds.
+    cpu_util: float | None = None
+    cpu_steal: float | None = None
+    cpu_window: tuple[float, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,6 +51,36 @@ class LatResult:
         return asdict(self)
 
 
+def machine_jiffies() -> tuple[int, int, int]:
+    """The whole machine's CPU time since boot in jiffies, from /proc/stat's first line:
+    (all, busy, stolen). Busy is neither idle, iowait nor stolen by the hypervisor (guest
+    time is inside user), so it holds the kernel's softirq work too: on a namespace
+    fabric, the forwarding of every packet."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    total = sum(fields[:8])
+    return total, total - fields[3] - fields[4] - fields[7], fields[7]
+
+
+class CpuUtil:
+    """perftest's --cpu_util: the machine's CPU use between start() and stop()."""
+
+    def start(self) -> None:
+        self._t0, self._j0 = time.time(), machine_jiffies()
+
+    def stop(self) -> tuple[float, float, tuple[float, float]]:
+        """(busy %, stolen %, (start, end) in Unix seconds)."""
+        total, busy, steal = machine_jiffies()
+        d = total - self._j0[0]
+        if d <= 0:
+            return 0.0, 0.0, (self._t0, time.time())
+        return (
+            100.0 * (busy - self._j0[1]) / d,
+            100.0 * (steal - self._j0[2]) / d,
+            (self._t0, time.time()),
+        )
+
+
 def rate(nbytes: float, seconds: float, gbits: bool) -> float:
     if seconds <= 0:
         return 0.0
@@ -51,7 +88,12 @@ def rate(nbytes: float, seconds: float, gbits: bool) -> float:
 
 
 def bw_result(
-    size: int, t_start: float, completions: list[float], gbits: bool, inflight: int = 1
+    size: int,
+    t_start: float,
+    completions: list[float],
+    gbits: bool,
+    inflight: int = 1,
+    cpu: tuple[float, float, tuple[float, float]] | None = None,
 ) -> BwResult:
     """`completions`: perf_counter() at which each operation was seen complete, in order.
 
@@ -72,7 +114,11 @@ def bw_result(
         )
         peak = max(avg, best * 8 / 1e9 if gbits else best / MB)
     mpps = n / seconds / 1e6 if seconds > 0 else 0.0
-    return BwResult(size, n, peak, avg, mpps, "Gb/sec" if gbits else "MB/sec", seconds)
+    units = "Gb/sec" if gbits else "MB/sec"
+    if cpu is None:
+        return BwResult(size, n, peak, avg, mpps, units, seconds)
+    util, steal, window = cpu
+    return BwResult(size, n, peak, avg, mpps, units, seconds, util, steal, window)
 
 
 def percentile(sorted_us: list[float], q: float) -> float:
