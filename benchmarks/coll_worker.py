@@ -75,6 +75,11 @@ class Backend:
     def schedule(self) -> str | None:
         return None
 
+    def plan(self) -> dict[str, Any] | None:
+        """mrc's planner: the last all_reduce's shares, its predicted time and the hosts'
+        rate it planned with (None elsewhere)."""
+        return None
+
     def close(self) -> None: ...
 
 
@@ -109,6 +114,17 @@ class MrcBackend(Backend):
             return "given"
         st = self.comm.stats()["resilient"]
         return None if st is None or st["schedule"] is None else st["schedule"]["schedule"]
+
+    def plan(self) -> dict[str, Any] | None:
+        st = self.comm.stats()["resilient"]
+        if self.shares is not None or st is None or st["schedule"] is None:
+            return None
+        host = None if st["agreed"] is None else st["agreed"]["host_rate"]
+        return {
+            "shares": st["schedule"]["shares"],
+            "predicted_s": st["schedule"]["predicted_s"],
+            "host_rate_gbps": None if host is None else host * 8e-9,
+        }
 
     def close(self) -> None:
         self.comm.close()
@@ -240,6 +256,7 @@ def sweep(be: Backend, coll: str, sizes: list[int], iters: int, warmup: int) -> 
         cpu = (time.process_time() - c0) / iters
         b1 = machine_busy()
         sched = be.schedule()  # before sum_over_ranks: that is an all_reduce of its own
+        plan = be.plan()
         tot = be.sum_over_ranks(np.array([secs, cpu, float(wrong)], dtype=np.float64))
         if be.rank == 0:
             t = float(tot[0]) / be.size
@@ -258,6 +275,7 @@ def sweep(be: Backend, coll: str, sizes: list[int], iters: int, warmup: int) -> 
                         "machine_busy_cores": busy,
                         "wrong": int(tot[2]),
                         "schedule": sched,
+                        "plan": plan,
                     }
                 ),
                 flush=True,

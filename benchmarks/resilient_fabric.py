@@ -9,11 +9,14 @@ float32 sum, 64 MiB and 256 MiB:
    as shares: model.r2cc_shares): equal shares (everyone at the degraded rank's pace, as
    a ring), R2CC's split at Y* and at Y = X, and mrc's planner (the resilient shares).
    Measured next to model.share_time for the fabric's rates; the ring and the lower bound
-   modelled. Targets: mrc within 10% of its model; its overhead over the healthy run
-   <= 1.25 x the bound's overhead (+6.7% at n=4, X=1/4). Beside them, the model with the
-   hosts' own rate (model.host_limited; fitted to the healthy run, so every degraded
-   schedule is predicted out of sample) and "mrc_host": the planner's shares when it is
-   told that rate, measured, with the same two comparisons against that model.
+   modelled. mrc's planner learns the hosts' own rate from its operations (resilient.py)
+   and plans with it: its shares and prediction come from comm.stats(). Targets: mrc
+   within 10% of its model (the link-rate model of the shares it ran, and its own
+   prediction); its overhead over the healthy run <= 1.25 x the bound's overhead (+6.7%
+   at n=4, X=1/4). Beside them, the model with the hosts' own rate (model.host_limited;
+   fitted here to the healthy run, so every degraded schedule is predicted out of sample)
+   and "mrc_host": the shares for that fitted rate, measured, with the same two
+   comparisons against that model.
 3. The plane fails mid-loop (a timer half an operation after one ends) and heals later:
    per-operation times and hashes for mrc; Gloo and Open MPI on the same cable pull, as
    they behave (an error, a hang cut by the idle timeout, or times).
@@ -98,7 +101,7 @@ def measure(fab: Any, nbytes: int, iters: int, shares: list[float] | None) -> di
         raise SystemExit(f"mrc all_reduce of {nbytes} B failed ({r.status}): {r.message}")
     row = r.rows[0]
     return {"time_s": row["time_us"] * 1e-6, "schedule": row["schedule"], "wrong": row["wrong"],
-            "cpu_cores": row["rank_cpu_cores"]}  # fmt: skip
+            "cpu_cores": row["rank_cpu_cores"], "plan": row.get("plan")}  # fmt: skip
 
 
 def schedules_case(fab: Any, nbytes: int, iters: int) -> dict[str, Any]:
@@ -121,8 +124,10 @@ def schedules_case(fab: Any, nbytes: int, iters: int) -> dict[str, Any]:
             "equal": [1 / N] * N,
             "r2cc_y_opt": model.r2cc_shares(N, DEGRADED, y_opt),
             "r2cc_y_x": model.r2cc_shares(N, DEGRADED, x),
-            "mrc": None,  # the planner's choice (the resilient shares)
-            # The planner told the host rate too (what it does not know by itself yet).
+            # The planner's choice: the shares for the agreed link rates and the hosts' rate
+            # it fits to its own operations (resilient.py).
+            "mrc": None,
+            # The shares for the host rate this benchmark fitted to the healthy runs.
             "mrc_host": list(model.plan(dr, nbytes, host_rate=planned_host).shares),
         }
         rows = {}
@@ -131,9 +136,9 @@ def schedules_case(fab: Any, nbytes: int, iters: int) -> dict[str, Any]:
             m = measure(fab, nbytes, iters, sh)
             if sh is not None:
                 used = sh
-            elif m["schedule"] == "resilient":
-                used = list(model.plan(dr, nbytes).shares)
-            else:  # the planner kept equal shares (its agreement did not see the failure)
+            elif m["plan"] is not None:  # the shares the planner ran the last op with
+                used = list(m["plan"]["shares"])
+            else:
                 used = [1 / N] * N
             pred = model.share_time(used, dr, dr, nbytes)
             exact[name] = used
@@ -170,6 +175,19 @@ def schedules_case(fab: Any, nbytes: int, iters: int) -> dict[str, Any]:
         )
     bound = model.lower_bound(dr, dr, nbytes)
     mrc, mrc_host = rows["mrc"], rows["mrc_host"]
+    # The planner's own prediction (its model: the agreed link rates and the host rate it
+    # learnt), against which the issue's "within 10% of its model" is read.
+    plan = mrc.get("plan") or {}
+    mrc["planner_predicted_s"] = plan.get("predicted_s")
+    mrc["planner_host_rate_gbps"] = plan.get("host_rate_gbps")
+    mrc["measured_vs_planner"] = (
+        mrc["time_s"] / plan["predicted_s"] if plan.get("predicted_s") else None
+    )
+    click.echo(
+        f"  mrc's planner: host rate {plan.get('host_rate_gbps')} Gbit/s, predicted "
+        f"{(plan.get('predicted_s') or float('nan')) * 1e3:.1f} ms, shares "
+        f"{[round(v, 4) for v in plan.get('shares', [])]}"
+    )
     bound_over = bound / healthy_model - 1
     host_bound = model.lower_bound(dr, dr, nbytes, host)
     host_bound_over = host_bound / healthy_host - 1  # healthy: the bound with equal rates
@@ -187,6 +205,8 @@ def schedules_case(fab: Any, nbytes: int, iters: int) -> dict[str, Any]:
         "host_bound_overhead": host_bound_over,
         "targets": {
             "mrc_within_10pct_of_model": abs(mrc["measured_vs_model"] - 1) <= 0.10,
+            "mrc_within_10pct_of_its_prediction": mrc["measured_vs_planner"] is not None
+            and abs(mrc["measured_vs_planner"] - 1) <= 0.10,
             "mrc_overhead_le_1.25x_bound": mrc["overhead_measured"] <= 1.25 * bound_over,
             # The same two with the host rate in the model and the planner (not the
             # issue's targets, which are the two above).
@@ -279,13 +299,15 @@ def overhead_vs_x(fab: Any, nbytes: int, iters: int) -> list[dict[str, Any]]:
     healthy = min(healthy, measure(fab, nbytes, iters, None)["time_s"])
     for lost, dr, m, eq in degraded:
         x = lost / 4
-        mrc_model = model.share_time(model.plan(dr, nbytes).shares, dr, dr, nbytes)
+        used = m["plan"]["shares"] if m["plan"] else model.plan(dr, nbytes).shares
+        mrc_model = model.share_time(used, dr, dr, nbytes)  # the link-rate model of its shares
         r2cc = model.r2cc_time(dr, dr, model.r2cc_y_opt(dr, dr), nbytes)
         row = {
             "x": x,
             "planes_lost": lost,
             "mrc_measured": m["time_s"] / healthy - 1,
             "mrc_schedule": m["schedule"],
+            "mrc_shares": [round(v, 5) for v in used],
             "equal_measured": eq["time_s"] / healthy - 1,
             "mrc_model": mrc_model / h_model - 1,
             "equal_model": model.share_time([1 / N] * N, dr, dr, nbytes) / h_model - 1,

@@ -6,11 +6,11 @@
                                       operation's schedule as it goes, for the test to pull
                                       and heal the cable at the right moments
 
-Every rank all-reduces the same input every time (a function of its rank; every other
-operation with async_op=True, so on the collectives' worker thread), hashes each
-result and prints one JSON line at the end: the hashes, the schedule of each operation
-and the agreed planes when the schedule changed. The schedule is agreed, so every rank
-stops after the same operation.
+Every rank all-reduces the same input every time (a function of its rank, of
+MRC_TEST_COUNT elements, default COUNT; every other operation with async_op=True, so on
+the collectives' worker thread), hashes each result and prints one JSON line at the
+end: the hashes, the schedule of each operation and the agreed planes when the schedule
+changed. The schedule is agreed, so every rank stops after the same operation.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import sys
 
 import numpy as np
@@ -27,8 +28,8 @@ import mrc
 COUNT = 300_001  # not a multiple of 4 ranks, so the shares' element bounds are uneven
 
 
-def data(rank: int) -> np.ndarray:
-    return np.random.default_rng(1000 + rank).standard_normal(COUNT, dtype=np.float32)
+def data(rank: int, count: int = COUNT) -> np.ndarray:
+    return np.random.default_rng(1000 + rank).standard_normal(count, dtype=np.float32)
 
 
 def main() -> None:
@@ -37,7 +38,7 @@ def main() -> None:
     # reads them from mrc-run's output.
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     comm = mrc.Communicator.from_env()
-    x = data(comm.rank)
+    x = data(comm.rank, int(os.environ.get("MRC_TEST_COUNT", COUNT)))
     out = np.empty_like(x)
     hashes: list[str] = []
     schedules: list[str] = []

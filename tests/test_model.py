@@ -6,8 +6,10 @@ independent numeric computation written here from the definitions, not from mode
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import math
 import subprocess
 import sys
 from fractions import Fraction
@@ -267,6 +269,27 @@ def test_fit_host_rate_round_trip_and_refusals() -> None:
     for bad_h in (0, -1.0, float("nan"), float("inf"), "fast", True):
         with pytest.raises(UsageError, match="host_rate"):
             m.host_limited(rates, rates, bad_h)  # type: ignore[arg-type]
+
+
+def test_fit_host_rate_shares_inverts_the_host_model() -> None:
+    """Any shares, any rates: the H that makes share_time at host_limited's rates equal
+    the measured time. Equal shares and rates give fit_host_rate's closed form; at or below
+    the wire's time, inf."""
+    d = 64 << 20
+    degraded = [5e8, 3.75e8, 5e8, 5e8]
+    for shares in ([0.25] * 4, list(m.plan(degraded, d).shares), [0.4, 0.1, 0.25, 0.25]):
+        for h in (3e8, 1.6e9, 2e10):
+            mh, _ = m.host_limited(degraded, degraded, h)
+            t = m.share_time(shares, mh, mh, d)
+            assert m.fit_host_rate_shares(shares, degraded, degraded, d, t) == pytest.approx(h)
+    healthy = [5e8] * 4
+    wire = m.share_time([0.25] * 4, healthy, healthy, d)
+    assert m.fit_host_rate_shares([0.25] * 4, healthy, healthy, d, 1.3 * wire) == pytest.approx(
+        m.fit_host_rate(4, d, 1.3 * wire, wire)
+    )
+    assert m.fit_host_rate_shares([0.25] * 4, healthy, healthy, d, wire) == math.inf
+    with pytest.raises(UsageError, match="measured time"):
+        m.fit_host_rate_shares([0.25] * 4, healthy, healthy, d, 0.0)
 
 
 def test_planner_with_host_rate_moves_shares_towards_equal() -> None:
@@ -586,18 +609,47 @@ def test_rank_bandwidth_bad_stats() -> None:
 
 
 def test_record_round_trip_and_malformed() -> None:
-    rec = bw.RankBandwidth(375e6, 370e6, 0b1101, 4, "fabric")
-    assert bw.unpack(bw.pack(rec)) == rec and len(bw.pack(rec)) == bw.RECORD_SIZE
-    recs = [rec, bw.RankBandwidth(3.0, 3.0, 0b0111, 4, "planes")]
+    rec = bw.RankBandwidth(375e6, 370e6, 0b1101, 4, "fabric", host=1.6e9)
+    assert bw.unpack(bw.pack(rec)) == rec and len(bw.pack(rec)) == bw.RECORD_SIZE == 40
+    recs = [rec, bw.RankBandwidth(3.0, 3.0, 0b0111, 4, "planes", host=float("inf"))]
     assert bw.unpack_all(b"".join(bw.pack(r) for r in recs), 2) == recs
     with pytest.raises(UsageError, match="not a bandwidth record"):
         bw.unpack(b"X" * bw.RECORD_SIZE)
     with pytest.raises(UsageError, match="record of 5 bytes"):
         bw.unpack(b"12345")
-    with pytest.raises(UsageError, match="64 bytes for 3 bandwidth records"):
+    with pytest.raises(UsageError, match="80 bytes for 3 bandwidth records"):
         bw.unpack_all(b"".join(bw.pack(r) for r in recs), 3)
     with pytest.raises(UsageError, match="planes beyond the 4"):
         bw.RankBandwidth(1.0, 1.0, 0b10000, 4, "planes")
+    with pytest.raises(UsageError, match="host rate nan"):
+        bw.RankBandwidth(1.0, 1.0, 1, 4, "planes", host=float("nan"))
+
+
+def test_agree_takes_the_fastest_hosts_rate_in_steps_with_hysteresis() -> None:
+    """Every rank's record says what its host moved in healthy all_reduces; the agreement
+    takes the fastest (the least inflated by waits), in steps of 2^(1/16), holds a level
+    against a change of 2 steps, and knows none while nobody measured or one ran at the
+    wire's pace. The plan then takes it (model.plan's host_rate)."""
+    base = records_for({1: (1,)})
+
+    def with_host(hosts: list[float]) -> list[bw.RankBandwidth]:
+        return [dataclasses.replace(r, host=h) for r, h in zip(base, hosts, strict=True)]
+
+    assert bw.agree(base).host_rate is None  # nobody measured
+    a = bw.agree(with_host([1.2e9, 1.5e9, 0.0, 1.4e9]))  # rank 2 not yet: the others count
+    assert a.host_level == round(16 * math.log2(1.5e9))
+    assert a.host_rate == pytest.approx(1.5e9, rel=0.022)
+    assert "hosts: 1" in a.describe().splitlines()[-1]
+    assert bw.agree(with_host([1.2e9, float("inf"), 1e9, 1e9])).host_rate is None
+    held = bw.agree(with_host([1.58e9] * 4), a)  # within 2 steps (about 9%): held
+    assert held.host_level == a.host_level and not bw.changed(a, held)
+    moved = bw.agree(with_host([2.0**31] * 4), a)
+    assert moved.host_level == 16 * 31 and bw.changed(a, moved)
+    assert a.scaled(2.0).host_rate == a.host_rate  # bytes/s either way
+    # The plan with the agreed host rate is model.plan's with it: towards equal shares.
+    p_host = m.plan(a, 64 << 20, alpha=30e-6, host_rate=a.host_rate)
+    p_wire = m.plan(a, 64 << 20, alpha=30e-6)
+    assert p_host.shares[1] > p_wire.shares[1]
 
 
 def records_for(failed: dict[int, tuple[int, ...]], n: int = 4) -> list[bw.RankBandwidth]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from mrc.collectives import model, resilient
 from mrc.fabric.testing import fabric_up
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,11 +33,11 @@ from resilient_worker import data  # noqa: E402
 H1_PLANE1 = "h1-p1l0"  # h1's cable on plane 1 (both ends go down)
 
 
-def reference_sha() -> str:
+def reference_sha(count: int | None = None) -> str:
     """Rank order: ((x0 + x1) + x2) + x3 in float32, as mrc promises for every schedule."""
-    acc = data(0).copy()
+    acc = data(0, *(() if count is None else (count,))).copy()
     for r in range(1, 4):
-        acc += data(r)
+        acc += data(r, *(() if count is None else (count,)))
     return hashlib.sha256(acc.tobytes()).hexdigest()
 
 
@@ -100,6 +102,44 @@ def test_loopback_agrees_on_plane_counts_and_keeps_equal_shares() -> None:
                 assert st["agreed"]["send"] == [4.0] * 4
             else:
                 assert st["agreed"] is None
+
+
+def test_host_rate_is_fitted_agreed_and_planned_with() -> None:
+    """All_reduces of 4 MiB and more, healthy, with equal shares: every rank fits its
+    host's own rate to them (the time above the model's wire time), the records carry it,
+    every rank agrees on the same value, and the planner's prediction is model.plan's with
+    that host rate. MRC_RESILIENT_HOST=0: none of it."""
+    count = (4 << 20) // 4 + 3
+    ref = reference_sha(count)
+    for aware in ("1", "0"):
+        env = {"MRC_RESILIENT_EXCHANGE_BYTES": "0", "MRC_TEST_COUNT": str(count),
+               "MRC_RESILIENT_HOST": aware}  # fmt: skip
+        p = subprocess.run(
+            [sys.executable, "-m", "mrc.run", "-n", "4", "--timeout", "30", "--",
+             sys.executable, WORKER, "loop", "4"],
+            capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env}, timeout=120,
+        )  # fmt: skip
+        assert p.returncode == 0, p.stdout + p.stderr
+        got = results(p.stdout.splitlines(keepends=True))
+        agreed = [got[r]["stats"]["agreed"] for r in range(4)]
+        assert all(a == agreed[0] for a in agreed)
+        host = agreed[0]["host_rate"]
+        for r in range(4):
+            st = got[r]["stats"]
+            assert got[r]["hashes"] == [ref] * 4 and st["host_aware"] == (aware == "1")
+            if aware == "0":
+                assert host is None and st["local"]["host_rate"] == 0.0
+                continue
+            # Fitted after each op, reported at the next exchange (loopback's nominal
+            # 10 Gbit/s planes are far faster than two cores: a finite rate).
+            assert 0.0 < st["local"]["host_rate"] < math.inf
+            assert host is not None and 0.0 < host < math.inf
+            rates = [v * resilient.DEFAULT_PLANE_RATE for v in agreed[0]["send"]]
+            plan = model.plan(rates, 4.0 * count, resilient.DEFAULT_ALPHA, host_rate=host)
+            assert st["schedule"]["schedule"] == plan.name == "equal"
+            assert st["schedule"]["predicted_s"] == pytest.approx(plan.predicted)
+            wire = model.plan(rates, 4.0 * count, resilient.DEFAULT_ALPHA)
+            assert plan.predicted > wire.predicted  # the host's time counts
 
 
 @pytest.mark.root

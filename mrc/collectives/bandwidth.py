@@ -10,8 +10,13 @@ must see the same numbers on every rank. The flow, per communicator:
    records (and of the previous agreement), so every rank computes the same vector; it
    quantises rates to LEVELS steps of the fastest rate and keeps the previous step while
    a rank moved by less than HYSTERESIS, so measurement noise does not flip schedules;
-4. plan(agreed, nbytes, alpha) on every rank; a changed plan takes effect at the next
-   operation boundary (every rank switches at the same operation).
+4. plan(agreed, nbytes, alpha, host_rate=agreed.host_rate) on every rank; a changed plan
+   takes effect at the next operation boundary (every rank switches at the same operation).
+
+A record also carries the rank's estimate of its host's own rate (model.host_limited: the
+bytes per second of traffic its cores can move, sent plus received), fitted by the
+communicator to its healthy all_reduces (resilient.py); agree() takes the fastest rank's
+(see agree_host_rate).
 
 Everything here is pure (dicts in, values out) so it is tested on synthetic stats.
 """
@@ -47,6 +52,10 @@ MIN_MEASURED_BYTES = 1 << 20
 # about one step and stays under the hysteresis.
 LEVELS = 64
 HYSTERESIS = 2 / 64
+# The agreed host rate: steps of 2^(1/HOST_STEPS_PER_OCTAVE) (4.4%), kept while the new
+# estimate is within HOST_HYSTERESIS steps of the previous one.
+HOST_STEPS_PER_OCTAVE = 16
+HOST_HYSTERESIS = 2
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,9 @@ class RankBandwidth:
     up_mask: int  # bit p set: plane p has a usable path (or no path yet)
     nplanes: int
     source: str
+    # Bytes/s of traffic (sent plus received) this rank's host moved in its healthy
+    # all_reduces: 0.0 not measured yet, inf at the wire's pace (the host is no limit).
+    host: float = 0.0
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -72,6 +84,8 @@ class RankBandwidth:
         for name, v in (("send", self.send), ("recv", self.recv)):
             if not math.isfinite(v) or v < 0.0:
                 raise UsageError(f"{name} rate {v!r}: must be finite and >= 0")
+        if math.isnan(self.host) or self.host < 0.0:
+            raise UsageError(f"host rate {self.host!r}: must be >= 0 (inf: no limit)")
 
     @property
     def planes_up(self) -> tuple[int, ...]:
@@ -216,24 +230,25 @@ def rank_bandwidth(
 # The exchanged record ------------------------------------------------------------------------
 
 # magic, version, source index, nplanes, up_mask, send, recv: little-endian, 32 bytes.
-_RECORD = struct.Struct("<4sBBHQdd")
+_RECORD = struct.Struct("<4sBBHQddd")
 _MAGIC = b"MRCB"
-_VERSION = 1
+_VERSION = 2
 RECORD_SIZE = _RECORD.size
 
 
 def pack(bw: RankBandwidth) -> bytes:
     """The fixed-size record a rank contributes to the exchange."""
     return _RECORD.pack(
-        _MAGIC, _VERSION, SOURCES.index(bw.source), bw.nplanes, bw.up_mask, bw.send, bw.recv
-    )
+        _MAGIC, _VERSION, SOURCES.index(bw.source), bw.nplanes, bw.up_mask, bw.send, bw.recv,
+        bw.host,
+    )  # fmt: skip
 
 
 def unpack(data: bytes) -> RankBandwidth:
     """One record back; a malformed one raises UsageError saying what is wrong."""
     if len(data) != RECORD_SIZE:
         raise UsageError(f"bandwidth record of {len(data)} bytes, want {RECORD_SIZE}")
-    magic, version, source, nplanes, mask, send, recv = _RECORD.unpack(data)
+    magic, version, source, nplanes, mask, send, recv, host = _RECORD.unpack(data)
     if magic != _MAGIC or version != _VERSION:
         raise UsageError(
             f"not a bandwidth record (magic {magic!r}, version {version}; want {_MAGIC!r}, "
@@ -241,7 +256,7 @@ def unpack(data: bytes) -> RankBandwidth:
         )
     if source >= len(SOURCES):
         raise UsageError(f"bandwidth record with unknown source {source}")
-    return RankBandwidth(send, recv, mask, nplanes, SOURCES[source])
+    return RankBandwidth(send, recv, mask, nplanes, SOURCES[source], host)
 
 
 def unpack_all(data: bytes, n: int) -> list[RankBandwidth]:
@@ -265,6 +280,15 @@ class AgreedBandwidths:
     unit: float  # bytes/s (or planes) per level
     source: str
     planes: tuple[tuple[int, int], ...]  # per rank (up_mask, nplanes), for the log
+    # The hosts' rate plan() takes (bytes/s, 2^(host_level / HOST_STEPS_PER_OCTAVE));
+    # None: not known, or no host slower than the wire.
+    host_level: int | None = None
+
+    @property
+    def host_rate(self) -> float | None:
+        if self.host_level is None:
+            return None
+        return 2.0 ** (self.host_level / HOST_STEPS_PER_OCTAVE)
 
     def scaled(self, bytes_per_unit: float) -> AgreedBandwidths:
         """The same agreement with rates multiplied: for source "planes", pass one plane's
@@ -279,6 +303,7 @@ class AgreedBandwidths:
             self.unit * bytes_per_unit,
             self.source,
             self.planes,
+            self.host_level,
         )
 
     def describe(self) -> str:
@@ -296,6 +321,12 @@ class AgreedBandwidths:
                 f"rank {r}: send/recv {ls / top:.3f}/{lr / top:.3f} of the fastest ({rate}), "
                 f"planes up {up} of {np_}"
             )
+        h = self.host_rate
+        out.append(
+            "hosts: no limit known"
+            if h is None
+            else f"hosts: {h * 8e-9:.3g} Gbit/s of traffic (sent plus received)"
+        )
         return "\n".join(out)
 
 
@@ -304,6 +335,21 @@ def _common_source(records: Sequence[RankBandwidth]) -> str:
     # Mixed sources are not comparable (a nominal link rate against what was delivered):
     # every record also says how many planes are up, so fall back to counting them.
     return sources.pop() if len(sources) == 1 else "planes"
+
+
+def agree_host_rate(records: Sequence[RankBandwidth], previous: int | None) -> int | None:
+    """The host level every rank computes alike. The fastest rank's estimate: every rank
+    times the same operations, and all but the last to arrive also time their wait for
+    it, so the largest rate is the least inflated one. None when no rank has measured
+    one, or the fastest ran at the wire's pace (inf). Steps of 2^(1/16), and the previous
+    level is kept while within HOST_HYSTERESIS steps."""
+    known = [b.host for b in records if b.host > 0.0]
+    if not known or math.isinf(max(known)):
+        return None
+    level = round(HOST_STEPS_PER_OCTAVE * math.log2(max(known)))
+    if previous is not None and abs(level - previous) <= HOST_HYSTERESIS:
+        return previous
+    return level
 
 
 def agree(
@@ -367,12 +413,19 @@ def agree(
         unit=unit,
         source=source,
         planes=tuple((b.up_mask, b.nplanes) for b in records),
+        host_level=agree_host_rate(records, None if previous is None else previous.host_level),
     )
 
 
 def changed(previous: AgreedBandwidths | None, new: AgreedBandwidths) -> bool:
-    """Whether the plan may differ: another source or any rank on another step."""
-    return previous is None or previous.source != new.source or previous.levels != new.levels
+    """Whether the plan may differ: another source, any rank on another step, or another
+    host level."""
+    return (
+        previous is None
+        or previous.source != new.source
+        or previous.levels != new.levels
+        or previous.host_level != new.host_level
+    )
 
 
 class Tracker:

@@ -166,6 +166,43 @@ def fit_host_rate(n: int, nbytes: float, measured_s: float, wire_s: float) -> fl
     return 2.0 * healthy_ring_factor(n) * d / extra
 
 
+def fit_host_rate_shares(
+    shares: Sequence[float], bw_send: Rates, bw_recv: Rates, nbytes: float, measured_s: float
+) -> float:
+    """The host rate H under which the direct schedule with these shares takes
+    `measured_s` (share_time at host_limited's rates; fit_host_rate is the closed form for
+    equal shares and rates): any operation of known shares, healthy or degraded, says what
+    the hosts can move. inf when the measurement is not above the time at the wire's
+    rates (nothing is the host's). The time falls as H grows, so bisection on log H."""
+    s, g = _check_rates(bw_send, bw_recv)
+    d = _check_nbytes(nbytes)
+    t = float(measured_s)
+    if not math.isfinite(t) or t <= 0.0:
+        raise UsageError(f"measured time must be finite and > 0 s, got {measured_s!r}")
+    m = [min(a, b) for a, b in zip(s, g, strict=True)]
+
+    def time_at(h: float) -> float:
+        mh, _ = host_limited(m, m, h)
+        return share_time(shares, mh, mh, d)
+
+    if len(s) == 1 or d == 0.0 or t <= share_time(shares, m, m, d):
+        return math.inf
+    # A bracket: the wire alone is faster than t, so a large enough H is too fast; a small
+    # enough one too slow.
+    lo = hi = d / t
+    while time_at(lo) <= t:
+        lo /= 2.0
+    while time_at(hi) > t:
+        hi *= 2.0
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        if time_at(mid) > t:
+            lo = mid
+        else:
+            hi = mid
+    return math.sqrt(lo * hi)
+
+
 # Candidate times, general per-rank rates ----------------------------------------------------
 
 

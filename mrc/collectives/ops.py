@@ -405,7 +405,10 @@ class Collectives:
                 chosen = resilience.shares_for(s.count * s.esize)
                 packed = resilience.packed(s.count, s.esize, chosen, op == "avg", lag_)
                 sig = signature("all_reduce", s.count, s.dtype, op, chosen, "direct")
-                return self._do(what, packed, s, r, s.dtype, code, sig, out)
+                t0 = time.perf_counter()
+                result = self._do(what, packed, s, r, s.dtype, code, sig, out)
+                resilience.observed(s.count * s.esize, time.perf_counter() - t0)
+                return result
 
             return self._submit(what, run, async_op)
         key = ("all_reduce", s.count, s.esize, sh, op == "avg", algo)

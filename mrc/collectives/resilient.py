@@ -22,6 +22,17 @@ no bit of any result. This module joins them, per communicator:
   (every rank's own host links); else the count of usable planes times `plane_rate`.
   Measured delivered rates (bandwidth.rank_bandwidth with prev=) are not used: what a rank
   delivers follows the shares it was given, so planning on it would feed back on itself.
+- The hosts' own rate (model.host_limited): where the cores, not the links, set the pace
+  (a software datapath on a busy host), each rank fits it to every all_reduce of at least
+  HOST_FIT_BYTES it planned (model.fit_host_rate_shares: the H under which the model's
+  time for the shares and agreed rates it ran with is the measured one; inf at the
+  wire's pace), keeps the best of its last HOST_FITS fits (a slow one is noise or a wait
+  for a late rank, never a faster host) and sends it in its record; agreement takes the
+  fastest rank's (bandwidth.agree_host_rate) and plan() takes it into account. A job that
+  starts with a plane already down learns it from its degraded runs. The shares do not
+  move H (it is the hosts' constant in the model), but where the model is off the fit
+  absorbs it, in steps of 4.4% with hysteresis. MRC_RESILIENT_HOST=0 (host_aware=False)
+  plans on the link rates alone.
 
 comm.stats()["resilient"] shows the agreed vector and the chosen schedule; the logger
 "mrc.collectives.resilient" says (INFO) each change of agreement or schedule, naming the
@@ -30,11 +41,12 @@ schedule and the bandwidths agreed, with the planner's table at DEBUG.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import threading
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 import numpy as np
@@ -62,6 +74,10 @@ DEFAULT_ALPHA = 50e-6
 # this only sets where small messages stop paying for a resilient plan.
 DEFAULT_PLANE_RATE = 10e9 / 8
 _PLAN_CACHE = 64
+# The host rate is fitted to all_reduces of at least this size (where the per-byte cost,
+# not the alpha of a few hops, is what the time says), and the best of the last HOST_FITS.
+HOST_FIT_BYTES = 4 << 20
+HOST_FITS = 8
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -95,6 +111,8 @@ class Resilience:
     (MRC_RESILIENT_EXCHANGE_BYTES; 0: every all_reduce).
     exchange_every: smaller ones are one every this many all_reduces
     (MRC_RESILIENT_EXCHANGE_EVERY).
+    host_aware: fit the hosts' own rate to healthy all_reduces and plan with it
+    (MRC_RESILIENT_HOST=0 turns it off).
     """
 
     def __init__(
@@ -106,9 +124,14 @@ class Resilience:
         exchange_every: int | None = None,
         alpha: float = DEFAULT_ALPHA,
         plane_rate: float = DEFAULT_PLANE_RATE,
+        host_aware: bool | None = None,
     ) -> None:
         self.comm = comm
         self.enabled = _env_flag("MRC_RESILIENT", True) if enabled is None else enabled
+        self.host_aware = (
+            _env_flag("MRC_RESILIENT_HOST", True) if host_aware is None else host_aware
+        )
+        self._host_fits: deque[float] = deque(maxlen=HOST_FITS)
         self.exchange_bytes = (
             _env_int("MRC_RESILIENT_EXCHANGE_BYTES", DEFAULT_EXCHANGE_BYTES)
             if exchange_bytes is None
@@ -156,10 +179,38 @@ class Resilience:
         down = [not u for u in bandwidth.plane_usable(stats, self.nplanes)]
         lost = [d and b for d, b in zip(down, self._down_before, strict=True)]
         self._down_before = down
-        return bandwidth.rank_bandwidth(
+        bw = bandwidth.rank_bandwidth(
             stats, nplanes=self.nplanes, plane_rates=self.plane_rates,
             usable=[not x for x in lost],
         )  # fmt: skip
+        return dataclasses.replace(bw, host=self.host_rate())
+
+    def host_rate(self) -> float:
+        """This rank's estimate for its record: the best recent fit (0.0: none yet)."""
+        return max(self._host_fits) if self.host_aware and self._host_fits else 0.0
+
+    def observed(self, nbytes: int, seconds: float) -> None:
+        """After an all_reduce this planner chose the shares of: fit the host rate to its
+        time, its shares and the rates agreed for it (see the module's docstring)."""
+        with self._lock:
+            last, agreed = self.last, self.agreed
+            if (
+                not self.host_aware
+                or not self.enabled
+                or self.comm.size < 3
+                or nbytes < HOST_FIT_BYTES
+                or last is None
+                or last["nbytes"] != nbytes
+                or agreed is None
+                or not seconds > 0.0
+            ):
+                return
+            rates = self._rates(agreed)
+            self._host_fits.append(
+                model.fit_host_rate_shares(
+                    last["shares"], rates.send, rates.recv, float(nbytes), seconds
+                )
+            )
 
     def _exchange(self) -> None:
         """All-gather every rank's record through the executor and agree. Runs on the
@@ -223,12 +274,13 @@ class Resilience:
             plan = self._plans.get(nbytes)
             if plan is None:
                 rates = self._rates(self.agreed)
-                plan = model.plan(rates, float(nbytes), self.alpha)
+                host = self.agreed.host_rate if self.host_aware else None
+                plan = model.plan(rates, float(nbytes), self.alpha, host_rate=host)
                 if len(self._plans) >= _PLAN_CACHE:
                     self._plans.clear()
                 self._plans[nbytes] = plan
                 if log.isEnabledFor(logging.DEBUG):
-                    table = model.candidates(rates, float(nbytes), self.alpha)
+                    table = model.candidates(rates, float(nbytes), self.alpha, host_rate=host)
                     log.debug(
                         "rank %d: all_reduce of %d bytes, candidates:\n%s",
                         self.comm.rank,
@@ -301,6 +353,7 @@ class Resilience:
         ag = self.agreed
         return {
             "enabled": self.enabled,
+            "host_aware": self.host_aware,
             "exchange_bytes": self.exchange_bytes,
             "exchange_every": self.exchange_every,
             "all_reduces": self.ops,
@@ -313,6 +366,7 @@ class Resilience:
                 "recv": self.current.recv,
                 "planes_up": list(self.current.planes_up),
                 "source": self.current.source,
+                "host_rate": self.current.host,
             },
             "agreed": None
             if ag is None
@@ -322,6 +376,7 @@ class Resilience:
                 "recv": list(ag.recv),
                 "levels": [list(x) for x in ag.levels],
                 "planes_up": [[p for p in range(np_) if mask >> p & 1] for mask, np_ in ag.planes],
+                "host_rate": ag.host_rate,
             },
             "schedule": None if self.last is None else dict(self.last),
             "schedules": dict(self.schedules),
@@ -339,6 +394,8 @@ def _short(ag: bandwidth.AgreedBandwidths) -> str:
         else:
             rate = f"{ag.send[r] * 8e-9:.3g}/{ag.recv[r] * 8e-9:.3g} Gbit/s"
         parts.append(f"r{r} {rate} ({ls}/{lr} of {ag.scale}, planes {up})")
+    if ag.host_rate is not None:
+        parts.append(f"hosts {ag.host_rate * 8e-9:.3g} Gbit/s")
     return "; ".join(parts)
 
 
