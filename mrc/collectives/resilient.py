@@ -26,13 +26,13 @@ no bit of any result. This module joins them, per communicator:
   (a software datapath on a busy host), each rank fits it to every all_reduce of at least
   HOST_FIT_BYTES it planned (model.fit_host_rate_shares: the H under which the model's
   time for the shares and agreed rates it ran with is the measured one; inf at the
-  wire's pace), keeps the best of its last HOST_FITS fits (a slow one is noise or a wait
-  for a late rank, never a faster host) and sends it in its record; agreement takes the
-  fastest rank's (bandwidth.agree_host_rate) and plan() takes it into account. A job that
-  starts with a plane already down learns it from its degraded runs. The shares do not
-  move H (it is the hosts' constant in the model), but where the model is off the fit
-  absorbs it, in steps of 4.4% with hysteresis. MRC_RESILIENT_HOST=0 (host_aware=False)
-  plans on the link rates alone.
+  wire's pace) and sends the median of its last HOST_FITS fits in its record; agreement
+  takes the fastest rank's (bandwidth.agree_host_rate: the last rank to arrive at an
+  operation times only the operation, the others also their wait for it) and plan()
+  takes it into account. A job that starts with a plane already down learns it from its
+  degraded runs. The shares do not move H (it is the hosts' constant in the model), but
+  where the model is off the fit absorbs it, in steps of 4.4% with hysteresis.
+  MRC_RESILIENT_HOST=0 (host_aware=False) plans on the link rates alone.
 
 comm.stats()["resilient"] shows the agreed vector and the chosen schedule; the logger
 "mrc.collectives.resilient" says (INFO) each change of agreement or schedule, naming the
@@ -45,6 +45,7 @@ import dataclasses
 import logging
 import math
 import os
+import statistics
 import threading
 from collections import Counter, deque
 from typing import Any
@@ -75,7 +76,7 @@ DEFAULT_ALPHA = 50e-6
 DEFAULT_PLANE_RATE = 10e9 / 8
 _PLAN_CACHE = 64
 # The host rate is fitted to all_reduces of at least this size (where the per-byte cost,
-# not the alpha of a few hops, is what the time says), and the best of the last HOST_FITS.
+# not the alpha of a few hops, is what the time says); the median of the last HOST_FITS.
 HOST_FIT_BYTES = 4 << 20
 HOST_FITS = 8
 
@@ -186,8 +187,12 @@ class Resilience:
         return dataclasses.replace(bw, host=self.host_rate())
 
     def host_rate(self) -> float:
-        """This rank's estimate for its record: the best recent fit (0.0: none yet)."""
-        return max(self._host_fits) if self.host_aware and self._host_fits else 0.0
+        """This rank's estimate for its record: the median of its recent fits (0.0: none
+        yet), robust to one slow operation (a wait for a late rank, a busy moment) and to
+        one fast one alike."""
+        if not self.host_aware or not self._host_fits:
+            return 0.0
+        return float(statistics.median(self._host_fits))
 
     def observed(self, nbytes: int, seconds: float) -> None:
         """After an all_reduce this planner chose the shares of: fit the host rate to its
