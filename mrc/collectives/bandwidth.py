@@ -229,7 +229,7 @@ def rank_bandwidth(
 
 # The exchanged record ------------------------------------------------------------------------
 
-# magic, version, source index, nplanes, up_mask, send, recv: little-endian, 32 bytes.
+# magic, version, source index, nplanes, up_mask, send, recv, host: little-endian, 40 bytes.
 _RECORD = struct.Struct("<4sBBHQddd")
 _MAGIC = b"MRCB"
 _VERSION = 2

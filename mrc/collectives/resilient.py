@@ -1,6 +1,6 @@
 """The resilient AllReduce (issue 13): agree on every rank's bandwidth, plan the shares.
 
-The pieces: bandwidth.py turns this rank's path states into its usable rate and a 32-byte
+The pieces: bandwidth.py turns this rank's path states into its usable rate and a 40-byte
 record; model.plan() picks the schedule (equal shares, or the shares that meet the lower
 bound) for the agreed rates and the message size; the executor runs the direct
 all_reduce with those shares, which keep the fixed reduction order, so a switch changes
@@ -58,7 +58,7 @@ from mrc.errors import UsageError
 
 log = logging.getLogger("mrc.collectives.resilient")
 
-# An exchange is an all_gather of 32 bytes per rank: about one round trip (a few hundred
+# An exchange is an all_gather of 40 bytes per rank: about one round trip (a few hundred
 # microseconds on the test fabric; 1 ms on the loaded 2-core machine). From 4 MiB on an
 # all_reduce takes over 10 ms at 4 x 1 Gbit/s, so the exchange is a few percent at most.
 DEFAULT_EXCHANGE_BYTES = 4 << 20
