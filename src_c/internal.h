@@ -297,6 +297,7 @@ struct mrc_conn {
     uint64_t last_acked_ns;    /* when some packet was last newly acknowledged */
     uint64_t rnr_until, rnr_backoff; /* receiver not ready: no sending before rnr_until */
     uint64_t rnr_since;        /* first refusal of the current back-off */
+    uint64_t rnr_last_ns;      /* the latest refusal (RNR NAK) received */
     uint64_t all_failed_since; /* 0 while some path is not failed */
 
     /* receive */
