@@ -10,13 +10,14 @@ float32 sum, 64 MiB and 256 MiB:
    a ring), R2CC's split at Y* and at Y = X, and mrc's planner (the resilient shares).
    Measured next to model.share_time for the fabric's rates; the ring and the lower bound
    modelled. mrc's planner learns the hosts' own rate from its operations (resilient.py)
-   and plans with it: its shares and prediction come from comm.stats(). Targets: mrc
-   within 10% of its model (the link-rate model of the shares it ran, and its own
-   prediction); its overhead over the healthy run <= 1.25 x the bound's overhead (+6.7%
-   at n=4, X=1/4). Beside them, the model with the hosts' own rate (model.host_limited;
-   fitted here to the healthy run, so every degraded schedule is predicted out of sample)
-   and "mrc_host": the shares for that fitted rate, measured, with the same two
-   comparisons against that model.
+   and plans with it: its shares and prediction come from comm.stats() (the prediction
+   is in sample: that rate is fitted to the same operations). Targets: mrc within 10%
+   of its model (the link-rate model of the shares it ran, and the host model fitted to
+   the healthy runs, out of sample); its overhead over the healthy run <= 1.25 x the
+   bound's overhead (+6.7% at n=4, X=1/4). Beside them, the model with the hosts' own
+   rate (model.host_limited; fitted here to the healthy run, so every degraded schedule
+   is predicted out of sample) and "mrc_host": the shares for that fitted rate,
+   measured, with the same two comparisons against that model.
 3. The plane fails mid-loop (a timer half an operation after one ends) and heals later:
    per-operation times and hashes for mrc; Gloo and Open MPI on the same cable pull, as
    they behave (an error, a hang cut by the idle timeout, or times).
@@ -175,8 +176,10 @@ def schedules_case(fab: Any, nbytes: int, iters: int) -> dict[str, Any]:
         )
     bound = model.lower_bound(dr, dr, nbytes)
     mrc, mrc_host = rows["mrc"], rows["mrc_host"]
-    # The planner's own prediction (its model: the agreed link rates and the host rate it
-    # learnt), against which the issue's "within 10% of its model" is read.
+    # The planner's own prediction (the agreed link rates and the host rate it learnt).
+    # In sample: that rate is fitted to these same operations' times, so it matches them
+    # by construction (recorded, not a target). The out-of-sample check is the host
+    # model fitted to the healthy runs (measured_vs_host_model).
     plan = mrc.get("plan") or {}
     mrc["planner_predicted_s"] = plan.get("predicted_s")
     mrc["planner_host_rate_gbps"] = plan.get("host_rate_gbps")
@@ -205,8 +208,9 @@ def schedules_case(fab: Any, nbytes: int, iters: int) -> dict[str, Any]:
         "host_bound_overhead": host_bound_over,
         "targets": {
             "mrc_within_10pct_of_model": abs(mrc["measured_vs_model"] - 1) <= 0.10,
-            "mrc_within_10pct_of_its_prediction": mrc["measured_vs_planner"] is not None
-            and abs(mrc["measured_vs_planner"] - 1) <= 0.10,
+            # Out of sample: the host model fitted to the healthy runs, predicting the
+            # degraded run of the shares mrc's planner chose.
+            "mrc_within_10pct_of_host_model": abs(mrc["measured_vs_host_model"] - 1) <= 0.10,
             "mrc_overhead_le_1.25x_bound": mrc["overhead_measured"] <= 1.25 * bound_over,
             # The same two with the host rate in the model and the planner (not the
             # issue's targets, which are the two above).
