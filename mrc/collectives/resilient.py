@@ -112,8 +112,8 @@ class Resilience:
     (MRC_RESILIENT_EXCHANGE_BYTES; 0: every all_reduce).
     exchange_every: smaller ones are one every this many all_reduces
     (MRC_RESILIENT_EXCHANGE_EVERY).
-    host_aware: fit the hosts' own rate to healthy all_reduces and plan with it
-    (MRC_RESILIENT_HOST=0 turns it off).
+    host_aware: fit the hosts' own rate to the all_reduces it plans (4 MiB and more) and
+    plan with it (MRC_RESILIENT_HOST=0 turns it off).
     """
 
     def __init__(
