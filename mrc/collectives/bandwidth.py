@@ -15,8 +15,8 @@ must see the same numbers on every rank. The flow, per communicator:
 
 A record also carries the rank's estimate of its host's own rate (model.host_limited: the
 bytes per second of traffic its cores can move, sent plus received), fitted by the
-communicator to its healthy all_reduces (resilient.py); agree() takes the fastest rank's
-(see agree_host_rate).
+communicator to the all_reduces it planned (resilient.py); agree() takes the fastest
+rank's (see agree_host_rate).
 
 Everything here is pure (dicts in, values out) so it is tested on synthetic stats.
 """
@@ -68,8 +68,8 @@ class RankBandwidth:
     up_mask: int  # bit p set: plane p has a usable path (or no path yet)
     nplanes: int
     source: str
-    # Bytes/s of traffic (sent plus received) this rank's host moved in its healthy
-    # all_reduces: 0.0 not measured yet, inf at the wire's pace (the host is no limit).
+    # Bytes/s of traffic (sent plus received) this rank's host moved in the all_reduces
+    # it planned: 0.0 not measured yet, inf at the wire's pace (the host is no limit).
     host: float = 0.0
 
     def __post_init__(self) -> None:

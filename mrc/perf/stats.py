@@ -115,10 +115,7 @@ def bw_result(
         peak = max(avg, best * 8 / 1e9 if gbits else best / MB)
     mpps = n / seconds / 1e6 if seconds > 0 else 0.0
     units = "Gb/sec" if gbits else "MB/sec"
-    if cpu is None:
-        return BwResult(size, n, peak, avg, mpps, units, seconds)
-    util, steal, window = cpu
-    return BwResult(size, n, peak, avg, mpps, units, seconds, util, steal, window)
+    return BwResult(size, n, peak, avg, mpps, units, seconds, *(cpu or (None, None, None)))
 
 
 def percentile(sorted_us: list[float], q: float) -> float:
