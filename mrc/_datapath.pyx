@@ -523,7 +523,8 @@ cdef class Endpoint:
             return {
                 "tx_pkts": st.tx_pkts, "rx_pkts": st.rx_pkts, "tx_bytes": st.tx_bytes,
                 "rx_bytes": st.rx_bytes, "acked_bytes": st.acked_bytes,
-                "rnr_naks": st.rnr_naks, "staged_bytes": st.staged_bytes,
+                "rnr_naks": st.rnr_naks, "rnr_ready": st.rnr_ready,
+                "staged_bytes": st.staged_bytes,
                 "staged_msgs": st.staged_msgs, "retx": st.retx, "acks_tx": st.acks_tx,
                 "acks_rx": st.acks_rx, "lost_rack": st.lost_rack, "lost_rto": st.lost_rto,
                 "spurious_rto": st.spurious_rto,

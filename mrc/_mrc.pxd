@@ -156,7 +156,7 @@ cdef extern from "mrc.h" nogil:
     struct mrc_ep_stats:
         uint64_t drops[MRC_DROP_MAX]
         uint64_t tx_pkts, rx_pkts, tx_bytes, rx_bytes, retx, acks_tx, acks_rx
-        uint64_t acked_bytes, rnr_naks, staged_bytes, staged_msgs
+        uint64_t acked_bytes, rnr_naks, rnr_ready, staged_bytes, staged_msgs
         uint64_t lost_rack, lost_rto, spurious_rto, lost_flush, probe_timeouts, link_events
         uint64_t seg6route_failures
         uint64_t loop_iters, rx_reads, rx_gro_reads, tx_sends

@@ -74,7 +74,7 @@ PKT_TYPES = {
     6: "PROBE_ACK",
     7: "CLOSE",
 }
-NAK_CODES = {1: "bad_key", 2: "bad_bounds", 3: "rnr"}
+NAK_CODES = {1: "bad_key", 2: "bad_bounds", 3: "rnr", 4: "ready"}
 
 
 class MRC(Packet):  # type: ignore[misc]

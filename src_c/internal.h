@@ -297,6 +297,8 @@ struct mrc_conn {
     uint64_t last_acked_ns;    /* when some packet was last newly acknowledged */
     uint64_t rnr_until, rnr_backoff; /* receiver not ready: no sending before rnr_until */
     uint64_t rnr_since;        /* first refusal of the current back-off */
+    uint64_t rnr_raised_ns;    /* when the back-off last doubled: refusals of
+                                * packets sent before then are the same round */
     uint64_t rnr_last_ns;      /* the latest refusal (RNR NAK) received */
     uint64_t all_failed_since; /* 0 while some path is not failed */
 
@@ -310,6 +312,10 @@ struct mrc_conn {
     uint64_t staged_bytes;    /* all staged SEND bytes */
     uint64_t undelivered_bytes; /* of which, messages not yet delivered */
     int staging;              /* staged messages not yet delivered */
+    /* A SEND refused for want of a RECV and staging room: the next RECV
+     * posted tells the sender on this path (MRC_NAK_READY). */
+    bool rnr_owed;
+    uint8_t rnr_owed_path;
     uint64_t ack_need;        /* bit per path id */
     unsigned ack_turn;        /* which delivering path's mirror the next ACK takes */
     uint32_t ack_echo_psn[MRC_MAX_PATHS];

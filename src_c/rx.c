@@ -332,6 +332,13 @@ static void rx_deliver_pt(mrc_conn *c)
 
 void rx_post_recv_pt(mrc_conn *c, mrc_op *op)
 {
+    /* Room for a SEND this connection refused: the sender may stop backing
+     * off now (the RECV below may take a staged message instead, which frees
+     * staging room all the same). */
+    if (c->rnr_owed) {
+        c->rnr_owed = false;
+        send_nak(c, c->rnr_owed_path, 0, 0, MRC_NAK_READY);
+    }
     struct staged_msg *prev = NULL;
     for (struct staged_msg *s = c->unexp_head; s; prev = s, s = s->next) {
         if (!tag_match(op->tag, s->tag))
@@ -443,6 +450,8 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
                 !(m->stage = calloc(1, d->msg_len ? d->msg_len : 1))) {
                 DROP(ep, NO_BUFFER);
                 send_nak(c, h->path, h->psn, d->msn, MRC_NAK_RNR);
+                c->rnr_owed = true;
+                c->rnr_owed_path = h->path;
                 return;
             }
             c->staged_bytes += d->msg_len;

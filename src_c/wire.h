@@ -115,6 +115,11 @@ enum {
     MRC_NAK_KEY = 1,    /* unknown key or region not remotely writable: fatal */
     MRC_NAK_BOUNDS = 2, /* outside the region: fatal */
     MRC_NAK_RNR = 3,    /* receiver not ready: no RECV and no staging room; retry later */
+    /* Not a refusal: the receiver that refused this connection (RNR) has
+     * posted a RECV since, so the sender need not wait out its back-off. psn
+     * and msn are 0. Best effort: if it is lost the back-off still ends. A
+     * peer that predates it drops it as a bad ACK and waits out its timer. */
+    MRC_NAK_READY = 4,
 };
 
 #define MRC_DATA_HDR_LEN (sizeof(struct mrc_hdr) + sizeof(struct mrc_data_ext))

@@ -444,6 +444,7 @@ struct mrc_ep_stats {
     uint64_t tx_pkts, rx_pkts, tx_bytes, rx_bytes, retx, acks_tx, acks_rx;
     uint64_t acked_bytes;    /* payload bytes newly acknowledged: goodput */
     uint64_t rnr_naks;       /* receiver-not-ready answers received (sender backed off) */
+    uint64_t rnr_ready;      /* receiver-ready notices received: a back-off cut short */
     uint64_t staged_bytes;   /* SEND bytes held here waiting for a RECV, all connections */
     uint64_t staged_msgs;    /* SENDs that went through staging (one extra copy each) */
     uint64_t lost_rack;      /* declared lost: a later packet on its path arrived */

@@ -456,6 +456,67 @@ static void test_bursts_per_path(void)
     teardown();
 }
 
+/* Receiver not ready. A window refused together is one round: its NAKs set
+ * the back-off once (1 ms), not once each (they took the first refusal
+ * straight to 64 ms); a packet sent after that and refused again doubles it.
+ * The receiver that refused owes the sender a READY when a RECV is posted,
+ * and the READY ends the sender's wait at once. */
+static void test_rnr_rounds_and_ready(void)
+{
+    setup_paths(1);
+    c->tx = calloc(c->window, sizeof(*c->tx));
+    c->rtxq = calloc(c->window, sizeof(*c->rtxq));
+    mrc_op *op = calloc(1, sizeof(*op));
+    uint64_t t0 = now_ns();
+    c->una = 0;
+    c->next_psn = 10;
+    for (uint32_t psn = 0; psn < 10; psn++)
+        c->tx[psn] = (struct tx_pkt){.op = op, .psn = psn, .len = 8192, .sent_ns = t0 - MS};
+    c->paths[0].inflight = 10 * (8192 + MRC_PKT_OVERHEAD);
+    struct mrc_hdr h = {.type = MRC_PKT_NAK, .path = 0};
+    struct mrc_nak_ext n = {.msn = 0, .code = MRC_NAK_RNR};
+    for (uint32_t psn = 0; psn < 10; psn++) {
+        h.psn = psn;
+        tx_on_nak_pt(c, &c->paths[0], &h, &n);
+    }
+    CHECK(ep->st.rnr_naks == 10 && ep->st.drops[MRC_DROP_BAD_ACK] == 0);
+    CHECK(c->rnr_backoff == MRC_RNR_MIN_NS); /* one round: not 2^9 ms */
+    CHECK(c->rtx_count == 10);
+    CHECK(c->rnr_until >= t0 + MRC_RNR_MIN_NS);
+    /* Sent again after the back-off and refused again: the next round. */
+    c->tx[0].sent_ns = now_ns();
+    h.psn = 0;
+    tx_on_nak_pt(c, &c->paths[0], &h, &n);
+    CHECK(c->rnr_backoff == 2 * MRC_RNR_MIN_NS);
+    /* The receiver's READY: send now, the back-off level kept. */
+    struct mrc_nak_ext ready = {.msn = 0, .code = MRC_NAK_READY};
+    h.psn = 0;
+    tx_on_nak_pt(c, &c->paths[0], &h, &ready);
+    CHECK(ep->st.rnr_ready == 1 && c->rnr_until == 0 && c->rnr_backoff == 2 * MRC_RNR_MIN_NS);
+    free(c->tx);
+    free(c->rtxq);
+    free(op);
+
+    /* The receiver's side: a refusal leaves a READY owed on the refused path,
+     * sent when a RECV is posted, once. */
+    c->rnr_owed = true;
+    c->rnr_owed_path = 0;
+    mrc_op *recv = calloc(1, sizeof(*recv));
+    rx_post_recv_pt(c, recv);
+    const struct mrc_hdr *q[4];
+    size_t len[4];
+    CHECK(queued_acks(q, len, 4) == 1);
+    CHECK(len[0] == MRC_NAK_LEN && mrc_pkt_validate(q[0], len[0], 8192) == 0);
+    const struct mrc_nak_ext *qn = (const struct mrc_nak_ext *)(q[0] + 1);
+    CHECK(q[0]->type == MRC_PKT_NAK && qn->code == MRC_NAK_READY && !c->rnr_owed);
+    mrc_op *recv2 = calloc(1, sizeof(*recv2));
+    rx_post_recv_pt(c, recv2);
+    CHECK(queued_acks(q, len, 4) == 1); /* nothing owed: nothing more sent */
+    free(recv);
+    free(recv2);
+    teardown_paths();
+}
+
 int main(void)
 {
     test_sack_fill_words();
@@ -469,6 +530,7 @@ int main(void)
     test_far_echoes_split();
     test_congestion_is_one_way();
     test_bursts_per_path();
+    test_rnr_rounds_and_ready();
     DONE("test_path");
     return 0;
 }
