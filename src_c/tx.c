@@ -171,22 +171,6 @@ void tx_flush_path_pt(mrc_conn *c, struct path *p)
     }
 }
 
-/* Was t most likely refused (RNR) with its NAK lost, rather than lost on its
- * path? Yes while backing off (the paths are quiet because we wait), when the
- * receiver refused anything after t left, or when it refused anything in the
- * last MRC_RNR_MAX_NS: it takes the rest of a message it already staged while
- * refusing new ones, and an ACK of that ends the back-off (tx_ack_one_pt) with
- * a refused packet, its NAK lost, still out. Blaming the path then made
- * healthy paths suspect under load (test_receiver_not_ready_blames_no_path:
- * 1 run in 7 of the full suite without the first two; without the third, 1
- * in about 50 runs of its file once the back-off doubled per round instead of
- * per NAK). A path that really fails meanwhile is still found by its probes. */
-static bool rnr_suspect(const mrc_conn *c, const struct tx_pkt *t, uint64_t now)
-{
-    return c->rnr_backoff || c->rnr_last_ns >= t->sent_ns ||
-           (c->rnr_last_ns && now - c->rnr_last_ns < MRC_RNR_MAX_NS);
-}
-
 static void tx_ack_one_pt(mrc_conn *c, uint32_t psn, uint64_t now)
 {
     struct tx_pkt *t = tx_slot(c, psn);
@@ -330,8 +314,7 @@ void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
         if (q && q->delivered_ts > t->sent_ns) {
             c->ep->st.lost_rack++;
             tx_lose_pt(c, t);
-            if (!rnr_suspect(c, t, now))
-                path_on_loss_pt(c, q, false, t->sent_ns, now);
+            path_on_loss_pt(c, q, false, t->sent_ns, now);
         }
     }
 }
@@ -429,7 +412,16 @@ void tx_timers_pt(mrc_conn *c, uint64_t now)
             continue;
         c->ep->st.lost_rto++;
         tx_lose_pt(c, t);
-        if (!rnr_suspect(c, t, now))
+        /* While the receiver is refusing (RNR since the last new ACK) a
+         * silent packet was most likely refused too and its NAK lost, and
+         * the paths are quiet because we are backing off: not their fault.
+         * Nor when the receiver refused anything after this packet left:
+         * it takes the rest of a message it already staged while refusing
+         * new ones, and an ACK of that ends the back-off (tx_ack_one_pt)
+         * with refused packets still in flight; blaming their paths made
+         * healthy paths suspect under load (test_receiver_not_ready_blames_
+         * no_path, 1 run in 7 of the full suite). */
+        if (!c->rnr_backoff && c->rnr_last_ns < t->sent_ns)
             path_on_loss_pt(c, p, true, t->sent_ns, now);
     }
 }

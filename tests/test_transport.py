@@ -472,7 +472,12 @@ def test_receiver_not_ready_blames_no_path() -> None:
         assert st["rnr_naks"] >= 50
         changes = {q["path"]: q["state_changes"] for q in st["paths"]}
         assert st["lost_rto"] > 0  # NAKs were lost: packets timed out while refused
-        assert sum(changes.values()) <= 4 * st["probe_timeouts"], (
+        # A lost probe answer costs a path up to 4 changes (suspect, failed, probing,
+        # good). So does a lost ACK that was the last of a burst the receiver took (the
+        # rest of a message it staged): the burst times out on its path, which is
+        # suspect until a probe answers (2 changes), as with any tail loss; seen in 1
+        # run in 6-25 of this file, up to once per path. Before the fix: thousands.
+        assert sum(changes.values()) <= 4 * st["probe_timeouts"] + 2 * len(changes), (
             f"paths changed state while refused: {changes}, {st['probe_timeouts']} probes lost"
         )
         recvs = [p.cb.recv(md, offset=i * msg, length=msg, tag=5) for i in range(n)]
