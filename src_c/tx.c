@@ -97,6 +97,43 @@ static bool tx_retransmit_pt(mrc_conn *c, uint64_t now)
     return sent;
 }
 
+/* Backing off and the wait is over (or the receiver said it is ready): one
+ * packet asks whether the receiver takes data again, and the next waits a
+ * round. Its ACK ends the back-off and everything follows; a refusal starts
+ * the next round. The window sent again every round was the window refused
+ * again: 2 MiB a round, seven rounds in the first 127 ms. The packet is the
+ * oldest unacknowledged one when it waits to go again: the receiver always
+ * admits the next message to deliver (a lost one that others overtook), and
+ * a probe from the queue's head could be a refused later one for ever. */
+static struct tx_pkt *tx_waiting(mrc_conn *c, uint32_t psn)
+{
+    struct tx_pkt *t = tx_slot(c, psn);
+    return t->op && t->psn == psn && t->lost && !t->acked ? t : NULL;
+}
+
+static bool tx_rnr_probe_pt(mrc_conn *c, uint64_t now)
+{
+    c->rnr_until = now + c->rnr_backoff;
+    struct tx_pkt *t = tx_waiting(c, c->una);
+    for (uint32_t k = 0; !t && k < c->rtx_count; k++)
+        t = tx_waiting(c, c->rtxq[(c->rtx_head + k) & c->wmask]);
+    if (!t) { /* nothing refused waits to go again: new data may go */
+        c->rnr_backoff = c->rnr_until = 0;
+        return false;
+    }
+    struct path *p = path_pick_pt(c, t->len, 0, -1);
+    if (!p || sock_batch_full_pt(c->ep, p->sock)) {
+        c->rnr_until = 0; /* try again next pass */
+        return false;
+    }
+    t->lost = 0; /* its place in the queue is skipped when reached */
+    t->ntx++;
+    p->retx++;
+    c->ep->st.retx++;
+    tx_emit_pt(c, t, p, now);
+    return true;
+}
+
 /* Sends retransmissions, then new packets, while windows allow. */
 bool tx_run_pt(mrc_conn *c)
 {
@@ -105,6 +142,11 @@ bool tx_run_pt(mrc_conn *c)
     uint64_t now = now_ns();
     if (now < c->rnr_until)
         return false; /* the receiver asked us to wait */
+    if (c->rnr_backoff) {
+        bool probed = tx_rnr_probe_pt(c, now);
+        if (c->rnr_backoff)
+            return probed;
+    }
     bool sent = tx_retransmit_pt(c, now);
     if (c->rtx_count)
         return sent; /* losses first: new data waits behind them */
@@ -181,7 +223,7 @@ static void tx_ack_one_pt(mrc_conn *c, uint32_t psn, uint64_t now)
     /* The receiver is ready again once it takes a packet sent since it first
      * refused; a late ACK for an older one says nothing about that. */
     if (c->rnr_backoff && t->sent_ns > c->rnr_since)
-        c->rnr_backoff = 0;
+        c->rnr_backoff = c->rnr_until = 0;
     c->ep->st.acked_bytes += t->len;
     struct path *p = conn_path(c, t->path);
     if (p) {

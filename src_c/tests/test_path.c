@@ -466,12 +466,20 @@ static void test_rnr_rounds_and_ready(void)
     setup_paths(1);
     c->tx = calloc(c->window, sizeof(*c->tx));
     c->rtxq = calloc(c->window, sizeof(*c->rtxq));
+    static uint8_t payload[10 * 8192];
+    mrc_mr mr = {.addr = payload, .len = sizeof(payload)};
     mrc_op *op = calloc(1, sizeof(*op));
+    op->kind = MRC_OP_SEND;
+    op->mr = &mr;
+    op->len = sizeof(payload);
+    op->seg_off = op->len; /* all of it sent */
+    op->seg_done = true;
     uint64_t t0 = now_ns();
     c->una = 0;
     c->next_psn = 10;
     for (uint32_t psn = 0; psn < 10; psn++)
-        c->tx[psn] = (struct tx_pkt){.op = op, .psn = psn, .len = 8192, .sent_ns = t0 - MS};
+        c->tx[psn] = (struct tx_pkt){
+            .op = op, .psn = psn, .off = psn * 8192u, .len = 8192, .sent_ns = t0 - MS};
     c->paths[0].inflight = 10 * (8192 + MRC_PKT_OVERHEAD);
     struct mrc_hdr h = {.type = MRC_PKT_NAK, .path = 0};
     struct mrc_nak_ext n = {.msn = 0, .code = MRC_NAK_RNR};
@@ -493,6 +501,26 @@ static void test_rnr_rounds_and_ready(void)
     h.psn = 0;
     tx_on_nak_pt(c, &c->paths[0], &h, &ready);
     CHECK(ep->st.rnr_ready == 1 && c->rnr_until == 0 && c->rnr_backoff == 2 * MRC_RNR_MIN_NS);
+    /* Still backing off: one packet, the oldest, asks whether the receiver
+     * takes data (not the window again); the next waits a round. */
+    const struct mrc_hdr *q[4];
+    size_t len[4];
+    c->tx[0].lost = 0; /* psn 0 in flight: the oldest waiting is psn 1 */
+    CHECK(tx_run_pt(c));
+    CHECK(queued_acks(q, len, 4) == 1 && q[0]->type == MRC_PKT_SEND && q[0]->psn == 1);
+    CHECK(c->rnr_until > now_ns() && !c->tx[1].lost && c->tx[2].lost);
+    CHECK(!tx_run_pt(c) && queued_acks(q, len, 4) == 1);
+    /* Its ACK (a packet sent since the first refusal) ends the back-off. */
+    struct mrc_hdr ah = {.type = MRC_PKT_ACK, .path = 0, .psn = 0, .ts = q[0]->ts};
+    struct mrc_ack_ext ae = {.sack_base = 0, .echo_psn = 1, .sack = {1ull << 1}};
+    ep->socks[0]->batch.n = 0;
+    tx_on_ack_pt(c, &c->paths[0], &ah, &ae, now_ns());
+    CHECK(ep->st.drops[MRC_DROP_BAD_ACK] == 0 && c->tx[1].acked);
+    CHECK(c->rnr_backoff == 0 && c->rnr_until == 0);
+    /* The rest at once: 2..9, and 0, which the ACK of 1 (sent after it on
+     * its path) showed lost (RACK). */
+    CHECK(tx_run_pt(c) && c->paths[0].retx == 1 + 9 && c->rtx_count == 0);
+    ep->socks[0]->batch.n = 0;
     free(c->tx);
     free(c->rtxq);
     free(op);
@@ -503,8 +531,6 @@ static void test_rnr_rounds_and_ready(void)
     c->rnr_owed_path = 0;
     mrc_op *recv = calloc(1, sizeof(*recv));
     rx_post_recv_pt(c, recv);
-    const struct mrc_hdr *q[4];
-    size_t len[4];
     CHECK(queued_acks(q, len, 4) == 1);
     CHECK(len[0] == MRC_NAK_LEN && mrc_pkt_validate(q[0], len[0], 8192) == 0);
     const struct mrc_nak_ext *qn = (const struct mrc_nak_ext *)(q[0] + 1);
