@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import select
 import socket
 import subprocess
 import sys
@@ -371,6 +372,11 @@ def _setups(fab, count: int, parallel: int) -> tuple[dict, dict]:  # type: ignor
             stdin=subprocess.PIPE,
         )
         try:
+            # Bounded: a client whose progress thread stops answering must fail the test,
+            # not hang the suite (seen once: its progress thread spun in link_poll_pt
+            # while plane0 flapped, every set-up thread waiting on it).
+            ready, _, _ = select.select([cli.stdout], [], [], 120)
+            assert ready, "setup client printed nothing in 120 s"
             line = cli.stdout.readline()
             assert line, f"setup client exited {cli.wait()}"
             server_out = json.loads(srv.stdout.readline())
