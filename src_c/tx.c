@@ -70,13 +70,30 @@ static void tx_emit_pt(mrc_conn *c, struct tx_pkt *t, struct path *p, uint64_t n
     d->msg_len = op->len;
 }
 
+/* The packet at psn if it waits in the queue to go again (not acknowledged
+ * since, nor sent again out of turn). */
+static struct tx_pkt *tx_waiting(mrc_conn *c, uint32_t psn)
+{
+    struct tx_pkt *t = tx_slot(c, psn);
+    return t->op && t->psn == psn && t->lost && !t->acked ? t : NULL;
+}
+
+/* Sends t, which waited, again on p. */
+static void tx_resend_pt(mrc_conn *c, struct tx_pkt *t, struct path *p, uint64_t now)
+{
+    t->lost = 0;
+    t->ntx++;
+    p->retx++;
+    c->ep->st.retx++;
+    tx_emit_pt(c, t, p, now);
+}
+
 static bool tx_retransmit_pt(mrc_conn *c, uint64_t now)
 {
     bool sent = false;
     while (c->rtx_count) {
-        uint32_t psn = c->rtxq[c->rtx_head];
-        struct tx_pkt *t = tx_slot(c, psn);
-        if (!t->op || t->psn != psn || t->acked || !t->lost) {
+        struct tx_pkt *t = tx_waiting(c, c->rtxq[c->rtx_head]);
+        if (!t) {
             c->rtx_head = (c->rtx_head + 1) & c->wmask;
             c->rtx_count--;
             continue;
@@ -85,11 +102,7 @@ static bool tx_retransmit_pt(mrc_conn *c, uint64_t now)
         struct path *p = path_pick_pt(c, t->len, 0, t->path);
         if (!p || sock_batch_full_pt(c->ep, p->sock))
             break;
-        t->lost = 0;
-        t->ntx++;
-        p->retx++;
-        c->ep->st.retx++;
-        tx_emit_pt(c, t, p, now);
+        tx_resend_pt(c, t, p, now);
         c->rtx_head = (c->rtx_head + 1) & c->wmask;
         c->rtx_count--;
         sent = true;
@@ -104,13 +117,8 @@ static bool tx_retransmit_pt(mrc_conn *c, uint64_t now)
  * again: 2 MiB a round, seven rounds in the first 127 ms. The packet is the
  * oldest unacknowledged one when it waits to go again: the receiver always
  * admits the next message to deliver (a lost one that others overtook), and
- * a probe from the queue's head could be a refused later one for ever. */
-static struct tx_pkt *tx_waiting(mrc_conn *c, uint32_t psn)
-{
-    struct tx_pkt *t = tx_slot(c, psn);
-    return t->op && t->psn == psn && t->lost && !t->acked ? t : NULL;
-}
-
+ * a probe from the queue's head could be a refused later one for ever. Its
+ * place in the queue is skipped when reached (tx_waiting). */
 static bool tx_rnr_probe_pt(mrc_conn *c, uint64_t now)
 {
     c->rnr_until = now + c->rnr_backoff;
@@ -126,11 +134,7 @@ static bool tx_rnr_probe_pt(mrc_conn *c, uint64_t now)
         c->rnr_until = 0; /* try again next pass */
         return false;
     }
-    t->lost = 0; /* its place in the queue is skipped when reached */
-    t->ntx++;
-    p->retx++;
-    c->ep->st.retx++;
-    tx_emit_pt(c, t, p, now);
+    tx_resend_pt(c, t, p, now);
     return true;
 }
 
@@ -361,9 +365,10 @@ void tx_on_ack_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
     }
 }
 
-/* Receiver not ready: the packet goes again after a back-off that doubles
- * with each round of refusals while the receiver stays full, or as soon as
- * the receiver says it has room (tx_on_ready_pt). A round is what was sent
+/* Receiver not ready: the packet waits to go again. After a back-off that
+ * doubles with each round of refusals while the receiver stays full, or as
+ * soon as the receiver says it has room (tx_on_ready_pt), one packet asks
+ * again (tx_rnr_probe_pt). A round is what was sent
  * before the back-off last doubled: a window of packets refused together
  * answers with a NAK each, and doubling per NAK took the first refusal
  * straight to MRC_RNR_MAX_NS (a receiver 1 ms late with its RECVs delayed a

@@ -404,7 +404,7 @@ def test_receiver_that_stops_reading_makes_the_sender_wait() -> None:
     byte arrives once RECVs are posted. The first RECV posted tells the sender (NAK
     code READY) that it may send again at once, instead of at the end of a back-off
     that a window of refusals had taken straight to 64 ms (one doubling per NAK; on
-    loopback a receiver 0-5 ms late delayed 4 MiB by 62-72 ms, 3-9 ms now)."""
+    loopback a receiver 0-5 ms late delayed 4 MiB by 62-72 ms, 2.3-6.5 ms now)."""
     limit, msg, n = 8 << 20, 2 << 20, 24  # 48 MiB sent against an 8 MiB allowance
     with connected_pair(4, max_unexpected=limit, timeout=1.0) as p:
         src, dst = pattern(msg * n, 11), np.zeros(msg * n, np.uint8)
