@@ -218,6 +218,11 @@ void conn_fail_pt(mrc_conn *c, int err, int op_err)
 void conn_add_pt(mrc_ep *ep, struct ctl *x)
 {
     mrc_conn *c = x->arg;
+    /* Twice on the active list is a cycle every walk of it spins in. */
+    if (c->active_listed || ep->conns[c->slot]) {
+        x->rc = MRC_EUSAGE;
+        return;
+    }
     for (int i = 0; i < c->npaths; i++) {
         struct path *p = &c->paths[i];
         if (p->nsegs) {

@@ -87,6 +87,14 @@ static int io_all(int fd, void *buf, size_t len, bool wr, uint64_t deadline)
     return 0;
 }
 
+static void sleep_until(uint64_t t)
+{
+    for (uint64_t now = now_ns(); now < t; now = now_ns()) {
+        struct timespec ts = {(time_t)((t - now) / 1000000000ull), (long)((t - now) % 1000000000ull)};
+        nanosleep(&ts, NULL);
+    }
+}
+
 static uint64_t deadline_of(int timeout_ms)
 {
     return now_ns() + (uint64_t)(timeout_ms < 0 ? 3600000 : timeout_ms) * 1000000ull;
@@ -188,16 +196,23 @@ static int paths_finish(mrc_conn *c)
     return c->npaths ? 0 : MRC_EUSAGE;
 }
 
-/* Allocates the datapath state and hands the connection to the engine. */
+/* Allocates the datapath state and hands the connection to the engine. A
+ * failed activation may be tried again (the engine did not take c); a
+ * successful one is final. */
 static int conn_activate(mrc_conn *c)
 {
     int rc = paths_finish(c);
     if (rc)
         return rc;
-    c->tx = calloc(c->window, sizeof(*c->tx));
-    c->rtxq = calloc(c->window, sizeof(*c->rtxq));
-    c->rx_bits = calloc(c->window / 64, sizeof(uint64_t));
-    c->msgs = calloc(MRC_MSGW, sizeof(*c->msgs));
+    /* Allocated once: an attempt before this one may have got this far. */
+    if (!c->tx)
+        c->tx = calloc(c->window, sizeof(*c->tx));
+    if (!c->rtxq)
+        c->rtxq = calloc(c->window, sizeof(*c->rtxq));
+    if (!c->rx_bits)
+        c->rx_bits = calloc(c->window / 64, sizeof(uint64_t));
+    if (!c->msgs)
+        c->msgs = calloc(MRC_MSGW, sizeof(*c->msgs));
     if (!c->tx || !c->rtxq || !c->rx_bits || !c->msgs)
         return -ENOMEM;
     c->last_progress_ns = now_ns();
@@ -316,22 +331,35 @@ static bool hs_transient(int rc)
            rc == -ETIMEDOUT || rc == MRC_ETIMEOUT || rc == MRC_ECLOSED;
 }
 
-/* hello, hello, ready over a connected socket. Until conn_activate nothing of
- * c is final, so a failed exchange may be tried again on another socket. */
-static int hello_exchange(mrc_conn *c, int fd, uint64_t dl)
+/* hello, hello, ready over a connected socket; the hellos within the
+ * attempt's deadline adl, `ready` within the set-up's dl. Until conn_activate
+ * nothing of c is final, so a failed exchange may be tried again on another
+ * socket; once c is in the datapath (*activated) it may not: the engine knows
+ * it by its id, on its lists. */
+static int hello_exchange(mrc_conn *c, int fd, uint64_t adl, uint64_t dl, bool *activated)
 {
     struct hello mine, theirs;
     hello_fill(c, &mine);
     int rc;
-    if ((rc = io_all(fd, &mine, sizeof(mine), true, dl)) || (rc = hello_read(fd, &theirs, dl)))
+    *activated = false;
+    if ((rc = io_all(fd, &mine, sizeof(mine), true, adl)) || (rc = hello_read(fd, &theirs, adl)))
         return rc;
     /* An echo service returns our own hello. */
     if (theirs.conn_id == mine.conn_id && theirs.init_psn == mine.init_psn)
         return MRC_ENOTMRC;
     if ((rc = hello_apply(c, &theirs)) || (rc = conn_activate(c)))
         return rc == MRC_ECLOSED ? -EIO : rc; /* final: not to be retried */
+    *activated = true;
     if (c->ep->testing_no_ready)
         return 0;
+    if (c->ep->testing_late_ready)
+        sleep_until(adl); /* as when the engine took c only at the deadline */
+    /* `ready` is not bounded by the attempt: the hellos made it in time, and
+     * activation (a round trip to a busy progress thread) may end past adl.
+     * It was: `ready` then timed out, the set-up was tried again, and the
+     * second activation put c on the engine's active list twice, a cycle
+     * that its next walk (a link event) never left, every later ep_ctl
+     * waiting on it (test_setup's burst while a plane flaps, CI at d337e9b). */
     uint8_t ready = READY_BYTE;
     rc = io_all(fd, &ready, 1, true, dl);
     return rc == MRC_ECLOSED ? -EPIPE : rc;
@@ -386,13 +414,14 @@ int mrc_conn_connect_any(mrc_conn *c, const char *const *addrs, int naddrs, uint
             nanosleep(&ts, NULL);
             continue;
         }
-        rc = hello_exchange(c, fd, adl);
+        bool activated;
+        rc = hello_exchange(c, fd, adl, dl, &activated);
         if (!rc && c->ep->testing_no_ready) {
             c->hs_fd = fd; /* testing: the exchange stalls after the hellos, open */
             return 0;
         }
         close(fd);
-        if (!rc || !hs_transient(rc))
+        if (!rc || activated || !hs_transient(rc))
             return rc;
         /* A fresh id for the next attempt: the server may have made a connection
          * for this one and, dropping it, tells our id that it closed. */

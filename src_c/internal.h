@@ -446,6 +446,7 @@ struct mrc_ep {
     bool work;               /* this loop iteration did something */
     bool tx_stall;           /* testing: every sendmmsg 'fails' with EAGAIN */
     bool testing_no_ready;   /* [const after set] testing: connect() never sends `ready` */
+    bool testing_late_ready; /* [const after set] testing: `ready` only after the attempt's deadline */
 };
 
 static inline unsigned op_cv_index(const void *op)

@@ -46,5 +46,11 @@ int mrc_ep_testing_no_ready(mrc_ep *ep, int on)
     return 0;
 }
 
+int mrc_ep_testing_late_ready(mrc_ep *ep, int on)
+{
+    ep->testing_late_ready = on != 0; /* read by connect on the caller's thread */
+    return 0;
+}
+
 uint32_t mrc_conn_id(const mrc_conn *c) { return c->id; }
 uint32_t mrc_conn_peer_id(const mrc_conn *c) { return c->peer_id; }

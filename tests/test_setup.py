@@ -373,8 +373,9 @@ def _setups(fab, count: int, parallel: int) -> tuple[dict, dict]:  # type: ignor
         )
         try:
             # Bounded: a client whose progress thread stops answering must fail the test,
-            # not hang the suite (seen once: its progress thread spun in link_poll_pt
-            # while plane0 flapped, every set-up thread waiting on it).
+            # not hang the suite (seen once: a set-up retried after its activation put
+            # its connection on the active list twice, and link_poll_pt walked the cycle;
+            # test_handshake's test_late_activation_is_final pins the fix).
             ready, _, _ = select.select([cli.stdout], [], [], 120)
             assert ready, "setup client printed nothing in 120 s"
             line = cli.stdout.readline()

@@ -30,6 +30,11 @@ int mrc_ep_testing_tx_stall(mrc_ep *ep, int on);
  * the client live on the datapath instead. Set before connecting. */
 int mrc_ep_testing_no_ready(mrc_ep *ep, int on);
 
+/* While on, the endpoint's connects send `ready` only once the attempt's
+ * deadline has passed (an activation that a busy progress thread finished
+ * late): the set-up must still succeed, once. Set before connecting. */
+int mrc_ep_testing_late_ready(mrc_ep *ep, int on);
+
 /* This endpoint's id for the connection (what a peer puts in `conn`). */
 uint32_t mrc_conn_id(const mrc_conn *c);
 /* The peer's id for it (what we put in `conn`). */

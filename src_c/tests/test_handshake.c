@@ -243,8 +243,60 @@ static void test_ready_lost_client_live(void)
     mrc_ep_destroy(b);
 }
 
+/* The engine took the client's connection only after the attempt's deadline
+ * had passed (a busy progress thread), the hellos in time. The set-up is
+ * final from there: `ready` goes within the set-up's timeout, the connect
+ * succeeds once, the server makes one connection, and data flows. Before,
+ * `ready` timed out against the attempt's deadline, the set-up was tried
+ * again, and the second activation put the connection on the engine's active
+ * list twice: a cycle that the next link event spun in for ever (the hang of
+ * test_setup's burst while a plane flaps). */
+static void test_late_activation_is_final(void)
+{
+    mrc_ep *a = ep_new(2, "127.0.2."), *b = ep_new(2, "127.0.3.");
+    uint16_t port;
+    CHECK_RC(mrc_ep_listen(b, NULL, 0, &port));
+    CHECK_RC(mrc_ep_testing_late_ready(a, 1));
+    struct establish_job j = {.ep = b};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, accept_establish, &j) == 0);
+    mrc_conn *ca;
+    CHECK_RC(mrc_conn_create(a, "late", &ca));
+    CHECK_RC(mrc_conn_connect(ca, "127.0.3.1", port, 5000));
+    pthread_join(t, NULL);
+    CHECK_RC(j.rc);
+    mrc_conn *extra = NULL;
+    CHECK(mrc_ep_accept(b, 200, &extra) == MRC_ETIMEOUT); /* no second attempt */
+    enum { LEN = 100000 };
+    static uint8_t src[LEN], dst[LEN];
+    for (int i = 0; i < LEN; i++)
+        src[i] = (uint8_t)(i * 13 + 1);
+    mrc_mr *mra, *mrb;
+    CHECK_RC(mrc_mr_reg(a, src, LEN, 0, &mra));
+    CHECK_RC(mrc_mr_reg(b, dst, LEN, 0, &mrb));
+    mrc_op *s, *r;
+    CHECK_RC(mrc_post_recv(j.c, mrb, 0, LEN, 7, &r));
+    CHECK_RC(mrc_post_send(ca, mra, 0, LEN, 7, &s));
+    CHECK_RC(mrc_op_wait(s, 5000));
+    CHECK_RC(mrc_op_wait(r, 5000));
+    struct mrc_op_result res;
+    mrc_op_get_result(r, &res);
+    CHECK_RC(res.status);
+    CHECK(res.bytes == LEN && memcmp(src, dst, LEN) == 0);
+    CHECK(mrc_conn_error(ca) == 0 && mrc_conn_error(j.c) == 0);
+    mrc_op_release(r);
+    mrc_op_release(s);
+    mrc_conn_destroy(j.c);
+    mrc_conn_destroy(ca);
+    CHECK_RC(mrc_mr_dereg(mra));
+    CHECK_RC(mrc_mr_dereg(mrb));
+    mrc_ep_destroy(a);
+    mrc_ep_destroy(b);
+}
+
 int main(void)
 {
+    test_late_activation_is_final();
     test_ready_lost_client_live();
     test_accept_before_listen();
     test_destroy_during_accept();
