@@ -204,15 +204,16 @@ static int conn_activate(mrc_conn *c)
     int rc = paths_finish(c);
     if (rc)
         return rc;
-    /* Allocated once: an attempt before this one may have got this far. */
-    if (!c->tx)
-        c->tx = calloc(c->window, sizeof(*c->tx));
-    if (!c->rtxq)
-        c->rtxq = calloc(c->window, sizeof(*c->rtxq));
-    if (!c->rx_bits)
-        c->rx_bits = calloc(c->window / 64, sizeof(uint64_t));
-    if (!c->msgs)
-        c->msgs = calloc(MRC_MSGW, sizeof(*c->msgs));
+    /* An attempt before this one may have got this far, with another peer's
+     * window: its tables go (the engine never took them). */
+    free(c->tx);
+    free(c->rtxq);
+    free(c->rx_bits);
+    free(c->msgs);
+    c->tx = calloc(c->window, sizeof(*c->tx));
+    c->rtxq = calloc(c->window, sizeof(*c->rtxq));
+    c->rx_bits = calloc(c->window / 64, sizeof(uint64_t));
+    c->msgs = calloc(MRC_MSGW, sizeof(*c->msgs));
     if (!c->tx || !c->rtxq || !c->rx_bits || !c->msgs)
         return -ENOMEM;
     c->last_progress_ns = now_ns();
