@@ -70,6 +70,15 @@ def test_gso_datagram_splits_into_its_packets() -> None:
     assert [bytes(m[ms.MRCData].payload) for m in pkts[:3]] == body
 
 
+def _acks_echo_both(pcap: Path, conn: int) -> bool:
+    """Whether the capture so far holds an ACK to `conn` that echoes more than one path."""
+    from scapy.utils import rdpcap
+
+    time.sleep(0.05)  # let tcpdump write the last ACKs (the loop only reads more often)
+    c = mrc_capture.summarise(rdpcap(str(pcap))).get(conn)
+    return c is not None and c.total().echoes > c.total().acks
+
+
 @pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("tcpdump") is None,
     reason="needs root and tcpdump (Debian package tcpdump)",
@@ -103,15 +112,20 @@ def test_capture_summary_sees_transfer_and_retransmits(tmp_path: Path) -> None:
             for _ in range(4):
                 p.ca.write(ms_, md.descriptor()).wait(timeout=30)
             t.join()
-            # One more write with both planes carrying: the four above can all end while
-            # plane 1 is still down (16 MiB on loopback take a few ms), and then no receive
-            # pass took packets from both planes, so no ACK echoed both (the echoes
-            # assertion below failed 1 run in 16-32 that way, on this code and older).
+            # More writes with both planes carrying, until the capture holds an ACK that
+            # echoes both: the four above can all end while plane 1 is still down (16 MiB
+            # on loopback take a few ms), and one write after the heal can still go mostly
+            # on plane 0 (CI once saw 2381 packets on plane 0 and 285 on plane 1, and no
+            # receive pass took packets from both). tcpdump -U writes each packet as it
+            # comes, so the file read between writes is the capture so far.
             deadline = time.monotonic() + 10
             while any(q["state"] != "good" for q in p.a.stats()["paths"]):
                 assert time.monotonic() < deadline, p.a.stats()["paths"]
                 time.sleep(0.005)  # polling the paths' state, bounded
-            p.ca.write(ms_, md.descriptor()).wait(timeout=30)
+            for _ in range(10):
+                p.ca.write(ms_, md.descriptor()).wait(timeout=30)
+                if _acks_echo_both(pcap, p.ca.ids[0]):
+                    break
             assert sha(dst) == sha(src)
             time.sleep(0.5)
             st = p.a.stats()
