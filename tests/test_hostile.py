@@ -109,15 +109,25 @@ def write_pkt(
     return bytes(h / ext / payload)
 
 
-def sniff_udp(ports: set[int]) -> Any:
+def sniff_udp(ports: set[int]) -> tuple[Any, threading.Event]:
+    """A sniffer on lo for mrc packets to `ports`, open when this returns, and an event
+    set once it has seen a message's last DATA packet."""
+    opened, last = threading.Event(), threading.Event()
+
+    def see(k: Any) -> None:
+        if any(m.type == 1 and int(m.flags) & 0x02 for m in ms.decode_all(k)):
+            last.set()
+
     sn = scapy_all.AsyncSniffer(
         iface="lo",
         store=True,
         lfilter=lambda k: scapy_all.UDP in k and k[scapy_all.UDP].dport in ports,
+        prn=see,
+        started_callback=opened.set,
     )
     sn.start()
-    time.sleep(0.3)  # the sniffer's socket must be open before the traffic
-    return sn
+    assert opened.wait(10), "the sniffer did not open its socket"
+    return sn, last
 
 
 @contextmanager
@@ -129,9 +139,11 @@ def live(nplanes: int = 1) -> Iterator[Live]:
         unreg = np.full(REGION, 0x5A, np.uint8)
         mr = p.b.register(region)
         src = p.a.register(pattern(REGION, 9))
-        sn = sniff_udp({port for _, port in p.b.planes})
+        sn, seen_last = sniff_udp({port for _, port in p.b.planes})
         p.ca.write(src, mr.descriptor(), length=3 * 8192 + 5).wait(timeout=10)
-        time.sleep(0.2)
+        # the write is one message: the packet tap on lo sees its packets in send order,
+        # so once it has the last one it has them all
+        assert seen_last.wait(10), "the sniffer missed the warm-up write's last packet"
         pkts = [m for k in sn.stop() for m in ms.decode_all(k)]
         data = [m for m in pkts if m.type == 1]
         assert data, "the sniffer saw none of the warm-up write's packets"
@@ -194,8 +206,7 @@ def test_bad_key_and_bounds_are_dropped_and_counted() -> None:
             assert got == {reason: 1}, what
             assert_untouched(lv, snap)
         # The NAKs reached the real sender, which had nothing in flight there.
-        time.sleep(0.2)
-        assert drops(lv.p.a)["bad_ack"] >= 1
+        wait_for(lambda: drops(lv.p.a)["bad_ack"] >= 1, timeout=10)
         assert_healthy(lv)
 
 
