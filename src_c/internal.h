@@ -218,6 +218,8 @@ struct rx_msg {
     bool used, have_last;
     uint8_t type, flags;
     uint32_t last_psn, imm;
+    uint32_t ref_psn;    /* the first accepted packet's PSN and offset: every */
+    uint64_t ref_off;    /* later SEND packet's offset follows from its PSN */
     uint64_t key, msg_len, got;
     mrc_op *recv;        /* SEND bound to a posted RECV on arrival */
     uint8_t *stage;      /* SEND staged until a RECV matches */

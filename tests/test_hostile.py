@@ -91,10 +91,12 @@ def write_pkt(
     payload: bytes,
     msg_len: int | None = None,
     length: int | None = None,
+    kind: int = 1,  # 1 WRITE (key: the region's), 2 SEND (key: the tag)
+    flags: str = "FIRST+LAST",
 ) -> bytes:
     h = hdr(
-        type=1,
-        flags="FIRST+LAST",
+        type=kind,
+        flags=flags,
         conn=conn,
         psn=psn & 0xFFFFFFFF,
         len=length,
@@ -275,6 +277,45 @@ def test_psn_outside_the_window() -> None:
             assert inject(lv.p.b, pkt, A_ADDR) == {"duplicate": 1}
             assert_untouched(lv, snap)
         assert_healthy(lv)
+
+
+def send_pkt(lv: Live, psn: int, msn: int, off: int, flags: str, msg_len: int, n: int) -> bytes:
+    """A SEND packet of n bytes (tag 0x5EED) on the live connection into b."""
+    return write_pkt(lv.b_conn, psn, msn, 0x5EED, off, b"\x11" * n, msg_len, kind=2, flags=flags)
+
+
+@needs_root
+def test_send_packets_must_follow_from_their_psn() -> None:
+    """Staging is not zeroed, so a SEND may never be delivered with holes: a packet
+    whose offset does not follow from its PSN (at the connection's mss from the
+    message's first packet) is dropped, and a message whose PSNs all arrived but whose
+    bytes do not add up (one of its PSNs sent as another message's) fails the
+    connection as a protocol error instead of delivering old heap contents."""
+    with live() as lv:
+        nxt, msn, mss = lv.last.psn + 1, lv.last[ms.MRCData].msn + 1, lv.p.b.mss
+        # A two-packet message whose second packet claims the first one's bytes, then
+        # one a byte off its place.
+        cases = [
+            (send_pkt(lv, nxt, msn, 0, "FIRST", 2 * mss, mss), {}),
+            (send_pkt(lv, nxt + 1, msn, 0, "LAST", 2 * mss, mss), {"bad_msg": 1}),
+            (send_pkt(lv, nxt + 1, msn, mss + 1, "LAST", 2 * mss, mss - 1), {"bad_msg": 1}),
+        ]
+        for pkt, reason in cases:
+            assert inject(lv.p.b, pkt, A_ADDR) == reason
+        assert lv.p.cb.error is None  # a dropped packet fails nothing
+    with live() as lv:
+        nxt, msn, mss = lv.last.psn + 1, lv.last[ms.MRCData].msn + 1, lv.p.b.mss
+        # Three packets' worth whose middle PSN carries the next message: every packet
+        # is in its place, yet the first message would have a hole of mss bytes.
+        cases = [
+            (send_pkt(lv, nxt, msn, 0, "FIRST", 3 * mss, mss), {}),
+            (send_pkt(lv, nxt + 1, msn + 1, 0, "FIRST+LAST", 10, 10), {}),
+            (send_pkt(lv, nxt + 2, msn, 2 * mss, "LAST", 3 * mss, mss), {"bad_msg": 1}),
+        ]
+        for pkt, reason in cases:
+            assert inject(lv.p.b, pkt, A_ADDR) == reason
+        wait_for(lambda: lv.p.cb.error is not None)
+        assert isinstance(lv.p.cb.error, mrc.ProtocolError), lv.p.cb.error
 
 
 @needs_root
