@@ -217,6 +217,19 @@ def test_chunk_sizes_and_shares_give_identical_bits() -> None:
     assert st["scratch_bytes"] == 3 * 3 * 1000 and st["failure"] is None
 
 
+def test_scratch_slots_follow_the_budget() -> None:
+    """Ring depth by default: what 16 MiB of scratch holds for n-1 rings, 4 to 16."""
+    scratch_slots, CHUNK_BYTES, SCRATCH_BUDGET = O.scratch_slots, O.CHUNK_BYTES, O.SCRATCH_BUDGET
+    assert scratch_slots(2) == scratch_slots(4) == 16
+    assert scratch_slots(8) == 9
+    assert scratch_slots(17) == scratch_slots(1024) == 4
+    assert scratch_slots(4, 1 << 20) == 5
+    for n in range(2, 18):
+        s = scratch_slots(n)
+        assert 4 <= s <= 16
+        assert s == 4 or (n - 1) * s * CHUNK_BYTES <= SCRATCH_BUDGET
+
+
 def test_plane_failed_mid_all_reduce_gives_identical_bits() -> None:
     """Rank 1 loses plane 1 (fault injection: a dead cable, both directions)
     while the all_reduce is moving data: the transport carries on over the

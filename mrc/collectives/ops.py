@@ -47,6 +47,23 @@ _MISMATCH = _datapath.MISMATCH
 _ABORTED = _datapath.ABORTED
 _ETIMEOUT = -5003
 _PLAN_CACHE = 256
+CHUNK_BYTES = 256 << 10  # the executor's default chunk (src_c/coll.c)
+SCRATCH_BUDGET = 16 << 20  # scratch rings per communicator, while 4 slots per ring fit
+SLOTS_MIN, SLOTS_MAX = 4, 16
+
+
+def scratch_slots(n: int, chunk: int = CHUNK_BYTES) -> int:
+    """Slots per scratch ring (the pipeline depth and the all-gather's lag): as many
+    as SCRATCH_BUDGET holds for the n-1 rings of a direct schedule, 4 to 16.
+
+    Deep rings let the senders that are ahead run further ahead of the slowest one:
+    with h1's plane 1 down on the shaped fabric the resilient all_reduce of 64 MiB took
+    258-264 ms with 4 slots, 251-254 with 8, 238-250 with 16 and 241 with 32; healthy
+    ones 214 ms with any (docs/architecture.md, "Collectives"). 4 ranks: 16 slots,
+    12 MiB; 8 ranks: 9; from 17 ranks on 4, (n-1) MiB as before."""
+    rings = max(n - 1, 1)
+    return max(SLOTS_MIN, min(SLOTS_MAX, SCRATCH_BUDGET // (rings * max(chunk, 1))))
+
 
 assert S.STEP_DTYPE.itemsize == _datapath.COLL_STEP_SIZE, "schedule.STEP_DTYPE != C struct"
 assert S.REF_DTYPE.itemsize == _datapath.COLL_REF_SIZE, "schedule.REF_DTYPE != C struct"
@@ -178,10 +195,12 @@ class Collectives:
     peers: list[Any]
     timeout: float
     chunk_bytes: int = 0  # 0: the executor's default (256 KiB)
-    slots: int = 4  # scratch slots per ring: the pipeline depth (and the planner's lag)
+    slots: int = 0  # scratch slots per ring, the pipeline depth and lag; 0: scratch_slots()
 
     # -- life (called by the communicator) --
     def _collectives_init(self) -> None:
+        if not self.slots:
+            self.slots = scratch_slots(self.size, self.chunk_bytes or CHUNK_BYTES)
         self._coll_exec = CollExecutor(
             self.endpoint,
             self.rank,
@@ -399,7 +418,7 @@ class Collectives:
         if sh is None and algo == "direct" and resilience is not None:
             # Issue 13: the shares come from the bandwidths every rank agreed on, chosen
             # where the operation runs, in its place in the order (resilient.py).
-            lag_ = self.slots or 4
+            lag_ = self.slots
 
             def run() -> Any:
                 chosen = resilience.shares_for(s.count * s.esize)
@@ -412,7 +431,7 @@ class Collectives:
 
             return self._submit(what, run, async_op)
         key = ("all_reduce", s.count, s.esize, sh, op == "avg", algo)
-        n, rank, lag = self.size, self.rank, self.slots or 4
+        n, rank, lag = self.size, self.rank, self.slots
         packed = self._plan(
             key,
             lambda: S.all_reduce(
@@ -447,7 +466,7 @@ class Collectives:
             self._same(s, r, "reduce", 1)
         code = _op(op)
         what = f"reduce of {s.count} {s.dtype} ({op}, root {root})"
-        n, rank, lag = self.size, self.rank, self.slots or 4
+        n, rank, lag = self.size, self.rank, self.slots
         packed = self._plan(
             ("reduce", s.count, s.esize, root, op == "avg"),
             lambda: S.reduce(rank, n, s.count, s.esize, root, avg=op == "avg", lag=lag),
