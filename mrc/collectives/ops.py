@@ -50,6 +50,10 @@ _PLAN_CACHE = 256
 CHUNK_BYTES = 256 << 10  # the executor's default chunk (src_c/coll.c)
 SCRATCH_BUDGET = 16 << 20  # scratch rings per communicator, while 4 slots per ring fit
 SLOTS_MIN, SLOTS_MAX = 4, 16
+# Chunks in flight per peer and direction, 4 as before the rings grew: 16 with 16 slots
+# was no faster (241 ms against 238-246, the degraded runs of scratch_slots) and staged
+# no less (coll_memory: 5.5-17.5 MiB per rank against 1.0-14.5).
+WINDOW = 4
 
 
 def scratch_slots(n: int, chunk: int = CHUNK_BYTES) -> int:
@@ -208,6 +212,7 @@ class Collectives:
             self.peers,
             chunk_bytes=self.chunk_bytes,
             slots=self.slots,
+            window=WINDOW,
         )
         self._coll_failure: CollectiveError | None = None
         self._coll_plans: OrderedDict[tuple, S.Packed] = OrderedDict()
