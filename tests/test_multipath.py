@@ -110,10 +110,13 @@ class Transfer:
     def finish(self, timeout: float = 180) -> tuple[dict[str, Any], dict[str, Any]]:
         with self.cond:
             self.cond.wait_for(lambda: bool(self.result), timeout)
+        # The server's result first: a client that is done has had its SENDs acknowledged,
+        # not consumed (a stream server may still be hashing staged chunks), and its exit
+        # closes the connection under them (seen once in CI: the server printed no result).
+        server = self.x.server_result() if self.result.get("event") == "done" else {}
         assert self.client.stdin is not None
         self.client.stdin.close()  # the client lingers (stats socket) until this
         self.client.wait(timeout=30)
-        server = self.x.server_result() if self.result.get("event") == "done" else {}
         self.x.kill()
         return self.result, server
 
@@ -140,6 +143,7 @@ def verified(t: Transfer) -> dict[str, Any]:
     client, server = t.finish()
     assert client["event"] == "done", f"an operation failed: {client}"
     assert client["bytes"] == t.size
+    assert "sha256" in server, f"the server did not finish: {server}"
     assert client["sha256"] == server["sha256"], "data differs between the two ends"
     return client
 
