@@ -298,6 +298,23 @@ def test_close_fails_pending_operations() -> None:
             p.ca.send(p.a.register(np.zeros(1, np.uint8)))
 
 
+def test_close_discards_sends_the_peer_has_not_matched() -> None:
+    """A SEND completes once the peer's transport has it, staged if no RECV was
+    posted; a close then discards what the peer staged: its later RECV fails (README,
+    "Semantics"). A sender that must know the data was taken waits for a reply."""
+    with connected_pair(2) as p:
+        src = p.a.register(pattern(1 << 16, 3), remote_write=False)
+        p.ca.send(src, tag=5).wait(timeout=10)
+        assert p.b.stats()["staged_msgs"] == 1
+        p.ca.close()
+        deadline = time.monotonic() + 10
+        while p.cb.error is None:  # the CLOSE's arrival, polled: nothing to wait on
+            assert time.monotonic() < deadline, "the peer never saw the close"
+            time.sleep(0.01)
+        with pytest.raises(mrc.ConnectionClosedError):
+            p.cb.recv(p.b.register(np.zeros(1 << 16, np.uint8)), tag=5).wait(timeout=10)
+
+
 def test_connect_to_nobody_is_unreachable() -> None:
     with mrc.Endpoint("127.0.0.1") as ep:
         s = socket.socket()

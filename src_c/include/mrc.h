@@ -147,7 +147,9 @@ int mrc_conn_establish(mrc_conn *c, int timeout_ms);
 const char *mrc_conn_peer_name(const mrc_conn *c);
 int mrc_conn_peer_plane(const mrc_conn *c, int plane, char *addr, size_t addrlen);
 int mrc_conn_npaths(const mrc_conn *c);
-/* Closes the connection: pending operations fail with MRC_ECLOSED. Frees it. */
+/* Closes the connection: pending operations fail with MRC_ECLOSED. Frees it.
+ * SENDs the peer holds unmatched (completed at the sender, staged at the
+ * peer) are discarded there: the peer's later RECVs fail with MRC_ECLOSED. */
 void mrc_conn_destroy(mrc_conn *c);
 /* 0 while usable, else the error that failed it. */
 int mrc_conn_error(const mrc_conn *c);
