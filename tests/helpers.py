@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -60,3 +61,13 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
 
 def sha(buf: object) -> str:
     return hashlib.sha256(memoryview(buf).cast("B")).hexdigest()  # type: ignore[arg-type]
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> None:
+    """Polls cond (every 10 ms) until it holds; fails after timeout seconds. For events
+    nothing can be waited on for (a peer's CLOSE arriving, a counter moving)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} not met in time")
+        time.sleep(0.01)

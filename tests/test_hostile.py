@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import Pair, connected_pair, pattern, sha
+from helpers import Pair, connected_pair, pattern, sha, wait_for
 
 import mrc
 
@@ -491,14 +491,6 @@ def test_large_write_completes_under_attack() -> None:
         )
         assert d.get("bad_key", 0) == 0 and d.get("bad_bounds", 0) == 0
         assert_healthy(lv)
-
-
-def wait_for(cond: Any, timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
 
 
 def test_garbage_over_udp_needs_no_root() -> None:

@@ -56,7 +56,7 @@ SLOTS_MIN, SLOTS_MAX = 4, 16
 WINDOW = 4
 
 
-def scratch_slots(n: int, chunk: int = CHUNK_BYTES) -> int:
+def scratch_slots(n: int, chunk: int = 0) -> int:
     """Slots per scratch ring (the pipeline depth and the all-gather's lag): as many
     as SCRATCH_BUDGET holds for the n-1 rings of a direct schedule, 4 to 16.
 
@@ -64,9 +64,9 @@ def scratch_slots(n: int, chunk: int = CHUNK_BYTES) -> int:
     with h1's plane 1 down on the shaped fabric the resilient all_reduce of 64 MiB took
     258-264 ms with 4 slots, 251-254 with 8, 238-250 with 16 and 241 with 32; healthy
     ones 214 ms with any (docs/architecture.md, "The executor"). 4 ranks: 16 slots,
-    12 MiB; 8 ranks: 9; from 17 ranks on 4, (n-1) MiB as before."""
+    12 MiB; 8 ranks: 9; from 17 ranks on 4, (n-1) MiB as before. chunk 0: the default."""
     rings = max(n - 1, 1)
-    return max(SLOTS_MIN, min(SLOTS_MAX, SCRATCH_BUDGET // (rings * max(chunk, 1))))
+    return max(SLOTS_MIN, min(SLOTS_MAX, SCRATCH_BUDGET // (rings * (chunk or CHUNK_BYTES))))
 
 
 assert S.STEP_DTYPE.itemsize == _datapath.COLL_STEP_SIZE, "schedule.STEP_DTYPE != C struct"
@@ -204,7 +204,7 @@ class Collectives:
     # -- life (called by the communicator) --
     def _collectives_init(self) -> None:
         if not self.slots:
-            self.slots = scratch_slots(self.size, self.chunk_bytes or CHUNK_BYTES)
+            self.slots = scratch_slots(self.size, self.chunk_bytes)
         self._coll_exec = CollExecutor(
             self.endpoint,
             self.rank,
