@@ -250,18 +250,20 @@ static int nl_open(void)
     return fd;
 }
 
-/* Adds rule, throw and route of table m (each may exist already): 0 when a
+/* Adds route, throw and rule of table m (each may exist already): 0 when a
  * packet with mark m then takes our route, 1 when it takes another (m is
- * someone else's), else the kernel's error (EPERM, EOPNOTSUPP, ENETDOWN). */
+ * someone else's), else the kernel's error (EPERM, EOPNOTSUPP, ENETDOWN).
+ * The route first: a kernel without seg6 lwtunnels refuses it, and then
+ * nothing is left behind (a rule and throw were, when they came first). */
 static int install(int fd, uint32_t m, int ifindex, int nsegs, const struct in6_addr *segs)
 {
     uint8_t srh[MRC_SRH_MAX];
     size_t srhlen = sock_srh_build(srh, nsegs, segs); /* the sticky header's bytes */
-    int r = rule_add(fd, m);
+    int r = route_add(fd, m, ifindex, srh, srhlen);
     if (r == 0)
         r = throw_add(fd, m, &segs[0]);
     if (r == 0)
-        r = route_add(fd, m, ifindex, srh, srhlen);
+        r = rule_add(fd, m);
     if (r < 0)
         return r;
     return route_is_ours(fd, m, ifindex, &segs[nsegs - 1], srh, srhlen) ? 0 : 1;

@@ -3,11 +3,13 @@
 One namespace per host and per switch, named "<prefix>-<element>"; one veth pair per link
 (MTU 9000), interfaces named for the peer element on switches and "nic<plane>" on hosts;
 IPv6 addresses with nodad and keep_addr_on_down=1 (so fail/heal keeps them); an End SID
-(seg6local) on every switch; static routes (proto 150) so every host plane address and
-every locator of a plane is reachable inside the plane; tbf on both ends of every link
-(tbf shapes egress only). Failed links are set down at both ends; routes are recomputed
-so that no node keeps a static route into a dead end (as a routing protocol would
-converge to; never a detour: only shortest-path next hops of the healthy fabric).
+on every switch (a seg6local route, or on a kernel without SRv6 lightweight tunnels an
+address on lo, whose packets the kernel's own SRH handling forwards); static routes
+(proto 150) so every host plane address and every locator of a plane is reachable inside
+the plane; tbf on both ends of every link (tbf shapes egress only). Failed links are set
+down at both ends; routes are recomputed so that no node keeps a static route into a dead
+end (as a routing protocol would converge to; never a detour: only shortest-path next hops
+of the healthy fabric).
 
 Commands go through `ip -batch`, `tc -batch` and `nft -f`, one process per namespace and
 tool, run in parallel: bringing up the 4-host 4-plane fabric takes about a second.
@@ -15,6 +17,7 @@ tool, run in parallel: bringing up the 4-host 4-plane fabric takes about a secon
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -140,7 +143,28 @@ def compute_routes(fabric: Fabric, down: frozenset[str]) -> dict[str, list[Route
     return routes
 
 
+@functools.cache
+def kernel_has_seg6local() -> bool:
+    """Whether this kernel has SRv6 lightweight tunnels (CONFIG_IPV6_SEG6_LWTUNNEL: seg6
+    and seg6local routes). Some builds lack them ("lwt encapsulation type not
+    supported"); probed once, in a scratch namespace."""
+    ns = f"mrc-probe-{os.getpid()}"
+    _run(["ip", "netns", "add", ns])
+    try:
+        _run(["ip", "-n", ns, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
+        _run(["ip", "-n", ns, "link", "set", "p0", "up"])
+        add = ["ip", "-6", "-n", ns, "route", "add", "fd00:ffff::1/128", "encap", "seg6local"]
+        proc = subprocess.run([*add, "action", "End", "dev", "p0"], capture_output=True)
+        return proc.returncode == 0
+    finally:
+        _run(["ip", "netns", "del", ns], check=False)
+
+
 def _end_sid_command(fabric: Fabric, sw: Switch, down: frozenset[str]) -> str | None:
+    # Without seg6local the SID is an address on lo (configure) and the kernel's own
+    # SRH handling (ipv6_srh_rcv, seg6_enabled) does End: the same packets on the wire.
+    if not kernel_has_seg6local():
+        return None
     # seg6local needs a real device (there is no dummy driver here, and "dev lo" does not
     # forward): use the switch's first link that is up.
     for link in fabric.links_of(sw.name):
@@ -229,6 +253,7 @@ def up(fabric_file: str | FsPath, prefix: str) -> State:
 def _build(fabric: Fabric, prefix: str) -> None:
     nodes: list[Host | Switch] = [*fabric.hosts, *fabric.switches]
     ns = {n.name: ns_name(prefix, n.name) for n in nodes}
+    kernel_has_seg6local()  # probed here, once, not by the threads below
     _run(["ip", "-batch", "-"], "".join(f"netns add {ns[n.name]}\n" for n in nodes))
     # Defaults first, so every interface created afterwards inherits them.
     _parallel(
@@ -252,6 +277,8 @@ def _build(fabric: Fabric, prefix: str) -> None:
 
     def configure(node: Host | Switch) -> None:
         cmds = ["link set lo up"]
+        if isinstance(node, Switch) and not kernel_has_seg6local():
+            cmds.append(f"addr add {node.sid}/128 dev lo")
         tc = []
         for link in fabric.links_of(node.name):
             dev, addr, peer = link.end(node.name)
