@@ -36,6 +36,7 @@ from mrc.routing import paths as route_paths
 DEFAULT_LOOPBACK_PLANES = 4
 DEFAULT_PORT = 29501  # rendezvous port when no launcher variable names one
 MAX_LOOPBACK_RANKS = 254  # 127.<1 + rank>.0.x: the second octet runs 1..254
+VERDICT_GRACE_S = 2.0  # how long a transport error waits for the rendezvous' verdict (peer_error)
 
 
 def loopback_planes(rank: int, nplanes: int = DEFAULT_LOOPBACK_PLANES) -> list[str]:
@@ -110,6 +111,7 @@ class Communicator(Collectives):
         self.fabric_info: dict[str, Any] | None = None
         self.hosts: list[str] = []  # host name of every rank (from the table)
         self._failure: CollectiveError | None = None
+        self._failed_ev = threading.Event()  # set with _failure
         self._fail_lock = threading.Lock()
         self._closed_ranks: set[int] = set()
         self._released = threading.Event()  # every rank reached close() (or failed)
@@ -295,6 +297,7 @@ class Communicator(Collectives):
             if self._failure is not None:
                 return False
             self._failure = err
+            self._failed_ev.set()
             closed = self._closed
         abort = getattr(self, "_collectives_abort", None)
         if abort is not None and self._collectives_started and not closed:
@@ -311,7 +314,15 @@ class Communicator(Collectives):
     def peer_error(self, peer: int, exc: BaseException) -> CollectiveError:
         """The CollectiveError for a transport error on the connection to `peer`: the
         rendezvous' verdict when it has one (it knows a rank died, not only that a
-        connection broke), else one naming the peer and the transport's error."""
+        connection broke), else one naming the peer and the transport's error.
+
+        The verdict is waited for a moment (VERDICT_GRACE_S): when a rank dies, a survivor
+        that heard of it first ends its collective and exits, and its connections close
+        under the ranks still in theirs, which could otherwise blame it (clean-clone CI:
+        rank 3 got "connection to rank 1 failed: connection closed" while the
+        rendezvous' "rank 2 exited" was on its way)."""
+        if self._failure is None and self._client is not None:
+            self._failed_ev.wait(min(VERDICT_GRACE_S, self.timeout / 4))
         if self._failure is not None:
             return self._failure
         if isinstance(exc, CollectiveError):
