@@ -66,6 +66,13 @@ def up(fabric: str, prefix: str) -> None:
     except (FabricError, FabricNetError) as e:
         _fail(e)
     click.echo(f"up: {st['fabric']} as {st['namespaces']} namespaces {prefix}-*")
+    if not netns.kernel_has_seg6local():
+        click.echo(
+            "note: this kernel has no SRv6 lightweight tunnels (CONFIG_IPV6_SEG6_LWTUNNEL): "
+            "the switches' End SIDs are addresses on lo, and endpoints put the routing "
+            "header on with the socket (GSO batches cut at the sender: more CPU per byte)",
+            err=True,
+        )
 
 
 @cli.command(short_help="Remove the fabric (also the leftovers of a crash).")
