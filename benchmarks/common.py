@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mrc.fabric.netns import kernel_has_seg6local
 from mrc.perf.stats import machine_jiffies
 
 # OpenBLAS worker threads spin and steal the two cores the datapath needs.
@@ -89,6 +90,9 @@ def machine() -> dict[str, Any]:
     return {
         "host": platform.node(),
         "kernel": platform.release(),
+        # False: SRv6 paths use the sticky header (GSO batches cut at the sender), so
+        # fabric numbers are not comparable with a kernel's that has seg6 lwtunnels.
+        "seg6_lwtunnel": kernel_has_seg6local() if os.geteuid() == 0 else None,
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
