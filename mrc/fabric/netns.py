@@ -149,6 +149,7 @@ def kernel_has_seg6local() -> bool:
     and seg6local routes). Some builds lack them ("lwt encapsulation type not
     supported"); probed once, in a scratch namespace."""
     ns = f"mrc-probe-{os.getpid()}"
+    _run(["ip", "netns", "del", ns], check=False)  # a killed probe's, under a reused pid
     _run(["ip", "netns", "add", ns])
     try:
         _run(["ip", "-n", ns, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
