@@ -162,10 +162,10 @@ def kernel_has_seg6local() -> bool:
 
 
 def _end_sid_command(fabric: Fabric, sw: Switch, down: frozenset[str]) -> str | None:
-    # Without seg6local the SID is an address on lo (configure) and the kernel's own
-    # SRH handling (ipv6_srh_rcv, seg6_enabled) does End: the same packets on the wire.
+    # Without seg6local the SID is an address on lo and the kernel's own SRH handling
+    # (ipv6_srh_rcv, seg6_enabled) does End: the same packets on the wire.
     if not kernel_has_seg6local():
-        return None
+        return f"addr replace {sw.sid}/128 dev lo"
     # seg6local needs a real device (there is no dummy driver here, and "dev lo" does not
     # forward): use the switch's first link that is up.
     for link in fabric.links_of(sw.name):
@@ -278,8 +278,6 @@ def _build(fabric: Fabric, prefix: str) -> None:
 
     def configure(node: Host | Switch) -> None:
         cmds = ["link set lo up"]
-        if isinstance(node, Switch) and not kernel_has_seg6local():
-            cmds.append(f"addr add {node.sid}/128 dev lo")
         tc = []
         for link in fabric.links_of(node.name):
             dev, addr, peer = link.end(node.name)
