@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import mrc
-from mrc.collectives import rendezvous
+from mrc.collectives import communicator, rendezvous
 from mrc.collectives.communicator import launch_env, loopback_planes, rendezvous_port
 from mrc.collectives.rendezvous import UniqueId
 
@@ -346,6 +346,39 @@ def test_abort_from_another_thread_reaches_every_rank() -> None:
             c0.check_failure()
         with pytest.raises(mrc.CollectiveError, match="rank 1 aborted"):
             c1.check_failure()
+    finally:
+        close_all(comms)
+
+
+def test_a_broken_connection_waits_for_the_verdict_then_names_the_peer() -> None:
+    """peer_error, the order a dying rank's survivors can see (c207107): rank 1's
+    connection to rank 0 breaks (rank 0 heard that rank 2 died and closed) before the
+    rendezvous' verdict reaches rank 1. The verdict, arriving within VERDICT_GRACE_S, is
+    the error; with none, the broken connection's peer is named, after at most the grace."""
+    uid = mrc.get_unique_id()
+    comms = in_threads([(r, 3, uid) for r in range(3)], timeout=10)
+    try:
+        assert all(isinstance(c, mrc.Communicator) for c in comms), comms
+        c0, c1, c2 = comms
+        assert isinstance(c0, mrc.Communicator) and isinstance(c1, mrc.Communicator)
+        assert isinstance(c2, mrc.Communicator)
+        broken = mrc.MrcError("connection closed")
+        # No verdict: the peer of the broken connection, once the grace is over.
+        t0 = time.monotonic()
+        err = c0.peer_error(1, broken)
+        waited = time.monotonic() - t0
+        assert err.rank == 1 and "connection to rank 1 failed" in str(err), err
+        grace = min(communicator.VERDICT_GRACE_S, c0.timeout / 4)
+        assert grace - 0.05 <= waited < grace + 2, waited
+        # The verdict comes while rank 1 waits: the verdict, not the peer that closed.
+        threading.Timer(0.2, c2.abort, args=("rank 2 is gone",)).start()
+        err = c1.peer_error(0, broken)
+        assert err.rank == 2 and "rank 2 aborted its communicator" in str(err), err
+        assert c1.failure is err
+        # Once a verdict is known it is the answer at once, for any broken connection.
+        t0 = time.monotonic()
+        assert c1.peer_error(0, broken) is err
+        assert time.monotonic() - t0 < grace / 2
     finally:
         close_all(comms)
 
