@@ -124,6 +124,7 @@ class MrcBackend(Backend):
             "shares": st["schedule"]["shares"],
             "predicted_s": st["schedule"]["predicted_s"],
             "host_rate_gbps": None if host is None else host * 8e-9,
+            "host_busy": st.get("host_busy"),
         }
 
     def close(self) -> None:

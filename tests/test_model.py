@@ -292,6 +292,67 @@ def test_fit_host_rate_shares_inverts_the_host_model() -> None:
         m.fit_host_rate_shares([0.25] * 4, healthy, healthy, d, 0.0)
 
 
+def test_host_fit_counts_only_when_the_host_had_no_cpu_to_spare() -> None:
+    """resilient.host_busy/host_fit: the time above the link model is the host's only
+    when its CPUs were busy (or one thread ran all along); with CPU to spare the fit is inf
+    (the excess is the wire's: it scales every link alike and must not move the shares);
+    not known (too few clock ticks, no counters): the fit stands."""
+    from mrc.collectives import resilient as rs
+    from mrc.collectives.resilient import HostSample
+
+    def busy(ran: float, ticks: tuple[int, int] | None, wall: float = 1.0) -> float | None:
+        before = HostSample(None if ticks is None else (1000, 5000), {7: 0, 8: 0})
+        after = HostSample(
+            None if ticks is None else (1000 + ticks[0], 5000 + ticks[1]),
+            {7: int(ran * wall * 1e9), 8: 10, 9: 10**12},  # 9: a thread born since
+        )
+        return rs.host_busy(before, after, wall)
+
+    assert busy(0.95, None) == pytest.approx(0.95)  # a saturated thread answers alone
+    assert busy(0.3, (60, 100)) == pytest.approx(0.6)  # the CPUs' share
+    assert busy(0.7, (60, 100)) == pytest.approx(0.7)  # or the busiest thread's, if more
+    assert busy(0.3, (98, 100)) == pytest.approx(0.98)
+    assert busy(0.3, (9, 10)) is None  # too few ticks to say
+    assert busy(0.3, None) is None
+    assert rs.host_busy(HostSample(None, None), HostSample(None, None), 1.0) is None
+
+    d = 64 << 20
+    degraded = [5e8, 3.75e8, 5e8, 5e8]
+    shares = list(m.plan(degraded, d).shares)
+    mh, _ = m.host_limited(degraded, degraded, 1.6e9)
+    t = m.share_time(shares, mh, mh, d)
+    fit = m.fit_host_rate_shares(shares, degraded, degraded, d, t)
+    assert rs.host_fit(shares, degraded, degraded, d, t, 0.99) == fit == pytest.approx(1.6e9)
+    assert rs.host_fit(shares, degraded, degraded, d, t, None) == fit
+    assert rs.host_fit(shares, degraded, degraded, d, t, rs.HOST_BUSY - 0.01) == math.inf
+
+
+def test_host_sample_sees_a_busy_thread() -> None:
+    """host_sample reads the kernel's counters: a thread that spins for the whole interval
+    ran for all of it (run time, not waiting: on a loaded machine too), one that sleeps
+    did not."""
+    import threading
+    import time
+
+    from mrc.collectives import resilient as rs
+
+    me = threading.get_native_id()
+    a = rs.host_sample()
+    assert a.threads is not None and me in a.threads
+    assert a.ticks is not None and 0 < a.ticks[0] <= a.ticks[1]
+    t0, cpu0 = time.perf_counter(), time.thread_time()
+    while time.thread_time() - cpu0 < 0.2:
+        pass  # spin until this thread has run 0.2 s more
+    wall = time.perf_counter() - t0
+    b = rs.host_sample()
+    assert b.threads is not None and b.ticks is not None
+    assert 0.19 <= (b.threads[me] - a.threads[me]) / 1e9 <= wall + 0.01
+    threading.Event().wait(0.2)  # this thread sleeps: no run time to speak of
+    c = rs.host_sample()
+    assert c.threads is not None and c.ticks is not None
+    assert (c.threads[me] - b.threads[me]) / 1e9 < 0.05 and c.ticks[1] >= b.ticks[1]
+
+
 def test_planner_with_host_rate_moves_shares_towards_equal() -> None:
     """The host's cost is the same at every rank, so it dilutes the degraded rank's
     handicap: its share grows towards 1/n as the host gets slower; a host far faster than

@@ -429,9 +429,10 @@ class Collectives:
                 chosen = resilience.shares_for(s.count * s.esize)
                 packed = resilience.packed(s.count, s.esize, chosen, op == "avg", lag_)
                 sig = signature("all_reduce", s.count, s.dtype, op, chosen, "direct")
+                before = resilience.host_before(s.count * s.esize)
                 t0 = time.perf_counter()
                 result = self._do(what, packed, s, r, s.dtype, code, sig, out)
-                resilience.observed(s.count * s.esize, time.perf_counter() - t0)
+                resilience.observed(s.count * s.esize, time.perf_counter() - t0, before)
                 return result
 
             return self._submit(what, run, async_op)

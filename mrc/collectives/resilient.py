@@ -32,6 +32,12 @@ no bit of any result. This module joins them, per communicator:
   takes it into account. A job that starts with a plane already down learns it from its
   degraded runs. The shares do not move H (it is the hosts' constant in the model), but
   where the model is off the fit absorbs it, in steps of 4.4% with hysteresis.
+  The time above the link model's is the host's only if the host had no CPU to spare:
+  a fit counts when the CPUs this process may run on were busy for HOST_BUSY of the
+  operation, or one of its threads ran for that long (host_busy: /proc/stat and
+  schedstat). Otherwise the excess is the wire's (headers, ACKs, drops and
+  retransmissions), which scales every link alike and must not move the shares, and the
+  fit is inf (the wire's pace). Where the kernel does not say, the fit counts.
   MRC_RESILIENT_HOST=0 (host_aware=False) plans on the link rates alone.
 
 comm.stats()["resilient"] shows the agreed vector and the chosen schedule; the logger
@@ -48,6 +54,7 @@ import os
 import statistics
 import threading
 from collections import Counter, deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -79,6 +86,92 @@ _PLAN_CACHE = 64
 # not the alpha of a few hops, is what the time says); the median of the last HOST_FITS.
 HOST_FIT_BYTES = 4 << 20
 HOST_FITS = 8
+# A fit counts only when the host had no CPU to spare during the operation: the CPUs
+# this process may run on were busy for at least this fraction of it, or one of its
+# threads ran for that long (a saturated progress thread on a host of many cores).
+# Measured on two cores, 4 ranks, 64 MiB all_reduce: at 4 x 1 Gbit/s (CPU-bound) the CPUs
+# were 0.97-0.99 busy; at 4 x 50 Mbit/s (link-bound) 0.59-0.71, the busiest thread ran
+# 0.22-0.30 of the time.
+HOST_BUSY = 0.85
+# Fewer clock ticks (/proc/stat's unit, 10 ms per CPU) than this over an operation say
+# too little (a 4 MiB all_reduce of 30 ms on two CPUs counts 6): then only a saturated
+# thread says anything, and without one the fit stands.
+MIN_BUSY_TICKS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSample:
+    """The kernel's CPU counters at one time, for host_busy(). ticks: (busy, all) clock
+    ticks of the CPUs this process may run on (/proc/stat); threads: nanoseconds each of
+    its threads has run (/proc/self/task/*/schedstat). None: the kernel did not say."""
+
+    ticks: tuple[int, int] | None
+    threads: dict[int, int] | None
+
+
+def host_sample() -> HostSample:
+    ticks: tuple[int, int] | None
+    try:
+        cpus = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+        busy = total = 0
+        with open("/proc/stat", "rb") as f:
+            for line in f:
+                name, _, rest = line.decode().partition(" ")
+                if name in cpus:
+                    # user nice system idle iowait irq softirq steal (guest is in user)
+                    v = [int(x) for x in rest.split()[:8]]
+                    busy += v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
+                    total += sum(v)
+        ticks = (busy, total) if total else None
+    except (OSError, ValueError, IndexError):
+        ticks = None
+    threads: dict[int, int] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        tids = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                threads[int(tid)] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return HostSample(ticks, threads or None)
+
+
+def host_busy(before: HostSample, after: HostSample, wall_s: float) -> float | None:
+    """How busy the host was between two samples wall_s apart, or None when that is not
+    known. A thread that ran for HOST_BUSY of wall_s answers alone (it was the limit).
+    Otherwise the answer needs the CPUs' counters over at least MIN_BUSY_TICKS: the larger
+    of their busy fraction and the busiest thread's."""
+    ran = 0.0
+    if before.threads is not None and after.threads is not None and wall_s > 0.0:
+        t0, t1 = before.threads, after.threads
+        ran = max((t1[t] - t0[t] for t in t1.keys() & t0.keys()), default=0) / (wall_s * 1e9)
+    if ran >= HOST_BUSY:
+        return ran
+    if before.ticks is None or after.ticks is None:
+        return None
+    busy, ticks = after.ticks[0] - before.ticks[0], after.ticks[1] - before.ticks[1]
+    if ticks < MIN_BUSY_TICKS:
+        return None
+    return max(ran, busy / ticks)
+
+
+def host_fit(
+    shares: Sequence[float],
+    bw_send: Sequence[float],
+    bw_recv: Sequence[float],
+    nbytes: float,
+    seconds: float,
+    busy: float | None,
+) -> float:
+    """One operation's host-rate fit: model.fit_host_rate_shares, or inf (the wire's
+    pace) when the host had CPU to spare (busy, host_busy()'s answer, under HOST_BUSY;
+    None, not known: the fit stands)."""
+    if busy is not None and busy < HOST_BUSY:
+        return math.inf
+    return model.fit_host_rate_shares(shares, bw_send, bw_recv, nbytes, seconds)
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -133,6 +226,7 @@ class Resilience:
             _env_flag("MRC_RESILIENT_HOST", True) if host_aware is None else host_aware
         )
         self._host_fits: deque[float] = deque(maxlen=HOST_FITS)
+        self.host_busy: float | None = None  # how busy the host was in the last fitted one
         self.exchange_bytes = (
             _env_int("MRC_RESILIENT_EXCHANGE_BYTES", DEFAULT_EXCHANGE_BYTES)
             if exchange_bytes is None
@@ -194,9 +288,18 @@ class Resilience:
             return 0.0
         return float(statistics.median(self._host_fits))
 
-    def observed(self, nbytes: int, seconds: float) -> None:
+    def host_before(self, nbytes: int) -> HostSample | None:
+        """Before an all_reduce: the host's CPU counters, for observed(); only where a fit
+        may follow (a few files read per operation of HOST_FIT_BYTES or more)."""
+        if not self.host_aware or not self.enabled or nbytes < HOST_FIT_BYTES:
+            return None
+        return host_sample()
+
+    def observed(self, nbytes: int, seconds: float, before: HostSample | None = None) -> None:
         """After an all_reduce this planner chose the shares of: fit the host rate to its
-        time, its shares and the rates agreed for it (see the module's docstring)."""
+        time, its shares and the rates agreed for it, unless the host had CPU to spare
+        (before: host_before()'s sample; see the module's docstring)."""
+        busy = None if before is None else host_busy(before, host_sample(), seconds)
         with self._lock:
             last, agreed = self.last, self.agreed
             if (
@@ -211,10 +314,9 @@ class Resilience:
             ):
                 return
             rates = self._rates(agreed)
+            self.host_busy = busy
             self._host_fits.append(
-                model.fit_host_rate_shares(
-                    last["shares"], rates.send, rates.recv, float(nbytes), seconds
-                )
+                host_fit(last["shares"], rates.send, rates.recv, float(nbytes), seconds, busy)
             )
 
     def _exchange(self) -> None:
@@ -359,6 +461,7 @@ class Resilience:
         return {
             "enabled": self.enabled,
             "host_aware": self.host_aware,
+            "host_busy": self.host_busy,
             "exchange_bytes": self.exchange_bytes,
             "exchange_every": self.exchange_every,
             "all_reduces": self.ops,
