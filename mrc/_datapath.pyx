@@ -489,6 +489,12 @@ cdef class Endpoint:
             raise errors.UsageError(f"loss must be a probability in [0, 1], got {loss}")
         check(c.mrc_ep_inject(self._ptr(), plane, loss, down), "Failed to inject a fault")
 
+    def progress_cpu_ns(self) -> int:
+        """CPU time the endpoint's progress thread has used, in nanoseconds (0: the
+        kernel cannot say). Cheap (one clock read), for asking whether the datapath set
+        an operation's pace."""
+        return c.mrc_ep_progress_cpu_ns(self._ptr())  # the GIL held: close() waits
+
     def stats(self) -> dict:
         """Counters: totals, drops by reason, and one entry per path of every connection."""
         cdef c.mrc_ep_stats st

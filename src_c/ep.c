@@ -168,6 +168,7 @@ int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out)
     rc = -pthread_create(&ep->thread, NULL, engine_main, ep);
     if (rc)
         goto err_socks;
+    ep->pt_clock_ok = pthread_getcpuclockid(ep->thread, &ep->pt_clock) == 0;
     *out = ep;
     return 0;
 
@@ -238,6 +239,14 @@ void ep_unref(mrc_ep *ep)
 }
 
 int mrc_ep_nplanes(const mrc_ep *ep) { return ep->nplanes; }
+
+uint64_t mrc_ep_progress_cpu_ns(const mrc_ep *ep)
+{
+    struct timespec ts;
+    if (!ep->pt_clock_ok || clock_gettime(ep->pt_clock, &ts) != 0)
+        return 0; /* e.g. the thread already ended (the endpoint is closing) */
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 int mrc_ep_plane(const mrc_ep *ep, int plane, char *addr, size_t addrlen, uint16_t *port)
 {

@@ -405,6 +405,8 @@ struct mrc_ep {
     struct plane planes[MRC_MAX_PLANES];
     int epfd, evfd, nl_fd;
     pthread_t thread;
+    clockid_t pt_clock; /* the progress thread's CPU clock, if pt_clock_ok */
+    bool pt_clock_ok;
 
     /* [lock] */
     pthread_mutex_t lock;

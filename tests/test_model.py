@@ -293,64 +293,78 @@ def test_fit_host_rate_shares_inverts_the_host_model() -> None:
 
 
 def test_host_fit_counts_only_when_the_host_had_no_cpu_to_spare() -> None:
-    """resilient.host_busy/host_fit: the time above the link model is the host's only
-    when its CPUs were busy (or one thread ran all along); with CPU to spare the fit is inf
-    (the excess is the wire's: it scales every link alike and must not move the shares);
-    not known (too few clock ticks, no counters): the fit stands."""
+    """resilient.HostGate: the time above the link model is the host's only when its CPUs
+    were busy over the window (or one datapath thread ran all along): then the fits count;
+    with CPU to spare they are inf (the excess is the wire's: it scales every link alike
+    and must not move the shares); no counters: the fits stand."""
     from mrc.collectives import resilient as rs
-    from mrc.collectives.resilient import HostSample
 
-    def busy(ran: float, ticks: tuple[int, int] | None, wall: float = 1.0) -> float | None:
-        before = HostSample(None if ticks is None else (1000, 5000), {7: 0, 8: 0})
-        after = HostSample(
-            None if ticks is None else (1000 + ticks[0], 5000 + ticks[1]),
-            {7: int(ran * wall * 1e9), 8: 10, 9: 10**12},  # 9: a thread born since
-        )
-        return rs.host_busy(before, after, wall)
+    class Kernel:
+        def __init__(self) -> None:
+            self.t, self.busy, self.all = 0.0, 0, 0
 
-    assert busy(0.95, None) == pytest.approx(0.95)  # a saturated thread answers alone
-    assert busy(0.3, (60, 100)) == pytest.approx(0.6)  # the CPUs' share
-    assert busy(0.7, (60, 100)) == pytest.approx(0.7)  # or the busiest thread's, if more
-    assert busy(0.3, (98, 100)) == pytest.approx(0.98)
-    assert busy(0.3, (9, 10)) is None  # too few ticks to say
-    assert busy(0.3, None) is None
-    assert rs.host_busy(HostSample(None, None), HostSample(None, None), 1.0) is None
+        def run(self, secs: float, busy: float, cpus: int = 2) -> None:
+            ticks = round(secs * 100 * cpus)
+            self.t += secs
+            self.all += ticks
+            self.busy += round(ticks * busy)
 
-    d = 64 << 20
-    degraded = [5e8, 3.75e8, 5e8, 5e8]
-    shares = list(m.plan(degraded, d).shares)
-    mh, _ = m.host_limited(degraded, degraded, 1.6e9)
-    t = m.share_time(shares, mh, mh, d)
-    fit = m.fit_host_rate_shares(shares, degraded, degraded, d, t)
-    assert rs.host_fit(shares, degraded, degraded, d, t, 0.99) == fit == pytest.approx(1.6e9)
-    assert rs.host_fit(shares, degraded, degraded, d, t, None) == fit
-    assert rs.host_fit(shares, degraded, degraded, d, t, rs.HOST_BUSY - 0.01) == math.inf
+    def fresh() -> tuple[Kernel, rs.HostGate]:
+        k = Kernel()
+        return k, rs.HostGate(lambda: (k.busy, k.all), lambda: k.t)
+
+    # A saturated thread: the fit counts at once, whatever the window says.
+    k, gate = fresh()
+    gate.start()
+    k.run(0.03, 0.2)
+    assert gate.offer(5e8, 0.97) == [5e8] and gate.busy == 0.97
+    # Busy CPUs: the window's fits wait until it holds 0.1 s and 20 ticks, then count.
+    k, gate = fresh()
+    gate.start()
+    k.run(0.03, 0.9)
+    assert gate.offer(6e8, 0.3) == []  # 0.03 s, 6 ticks: too early
+    gate.start()  # the window is open: not reset
+    k.run(0.05, 0.9)
+    assert gate.offer(7e8, 0.3) == []
+    k.run(0.05, 0.9)
+    assert gate.offer(8e8, 0.3) == [6e8, 7e8, 8e8] and gate.busy == pytest.approx(0.9, abs=0.02)
+    # Spare CPU (a link-bound fabric): the window's fits are the wire's pace; then the
+    # next window opens at the next start().
+    gate.start()
+    k.run(0.06, 0.6)
+    assert gate.offer(5e8, 0.25) == []
+    k.run(0.06, 0.6)
+    assert gate.offer(5e8, 0.25) == [math.inf, math.inf] and gate.busy == pytest.approx(
+        0.6, abs=0.02
+    )
+    # One CPU: 0.1 s is 10 ticks, the window waits for 20.
+    k, gate = fresh()
+    gate.start()
+    k.run(0.15, 0.5, cpus=1)
+    assert gate.offer(5e8, 0.5) == []
+    k.run(0.06, 0.5, cpus=1)
+    assert gate.offer(5e8, 0.5) == [math.inf, math.inf]
+    # No counters: the fits stand.
+    blind = rs.HostGate(lambda: None, lambda: 0.0)
+    blind.start()
+    assert blind.offer(5e8, 0.1) == [5e8] and blind.busy is None
+    assert rs.thread_ran({"a": 0, "b": 5}, {"a": 9 * 10**8, "b": 6, "c": 10**12}, 1.0) == 0.9
 
 
-def test_host_sample_sees_a_busy_thread() -> None:
-    """host_sample reads the kernel's counters: a thread that spins for the whole interval
-    ran for all of it (run time, not waiting: on a loaded machine too), one that sleeps
-    did not."""
-    import threading
+def test_cpu_ticks_count_a_busy_thread() -> None:
+    """The CPU counters HostGate reads (/proc/stat, the CPUs this process may run on)
+    count a thread that runs 0.2 s as busy ticks (20 of them at 100 per second)."""
     import time
 
     from mrc.collectives import resilient as rs
 
-    me = threading.get_native_id()
-    a = rs.host_sample()
-    assert a.threads is not None and me in a.threads
-    assert a.ticks is not None and 0 < a.ticks[0] <= a.ticks[1]
-    t0, cpu0 = time.perf_counter(), time.thread_time()
-    while time.thread_time() - cpu0 < 0.2:
-        pass  # spin until this thread has run 0.2 s more
-    wall = time.perf_counter() - t0
-    b = rs.host_sample()
-    assert b.threads is not None and b.ticks is not None
-    assert 0.19 <= (b.threads[me] - a.threads[me]) / 1e9 <= wall + 0.01
-    threading.Event().wait(0.2)  # this thread sleeps: no run time to speak of
-    c = rs.host_sample()
-    assert c.threads is not None and c.ticks is not None
-    assert (c.threads[me] - b.threads[me]) / 1e9 < 0.05 and c.ticks[1] >= b.ticks[1]
+    t0 = rs.cpu_ticks()
+    assert t0 is not None and 0 < t0[0] <= t0[1]
+    cpu0 = time.thread_time_ns()
+    while time.thread_time_ns() - cpu0 < 2 * 10**8:
+        pass  # this thread runs 0.2 s
+    t1 = rs.cpu_ticks()
+    assert t1 is not None and t1[1] - t0[1] >= t1[0] - t0[0] >= 15
 
 
 def test_planner_with_host_rate_moves_shares_towards_equal() -> None:

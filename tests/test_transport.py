@@ -92,6 +92,21 @@ def test_256mib(kind: str, loss: str) -> None:
         assert sha(dst) == sha(src)
 
 
+def test_progress_thread_cpu_clock() -> None:
+    """Endpoint.progress_cpu_ns: the progress thread's CPU time grows while it moves data,
+    stays within the process's CPU time, and a closed endpoint says so."""
+    with connected_pair(1) as p:
+        src, dst = pattern(32 << 20, 3), np.zeros(32 << 20, dtype=np.uint8)
+        ms, md = p.a.register(src), p.b.register(dst, remote_write=True)
+        c0, t0 = p.a.progress_cpu_ns(), time.process_time_ns()
+        p.ca.write(ms, md.descriptor()).wait(timeout=60)
+        c1, t1 = p.a.progress_cpu_ns(), time.process_time_ns()
+        assert sha(src) == sha(dst)
+        assert 0 < c1 - c0 <= t1 - t0
+    with pytest.raises(mrc.ConnectionClosedError, match="closed"):
+        p.a.progress_cpu_ns()
+
+
 def test_unexpected_send_then_recv() -> None:
     """A SEND that arrives before its RECV is held, then matched by tag in order."""
     with connected_pair(4) as p:

@@ -33,9 +33,10 @@ no bit of any result. This module joins them, per communicator:
   degraded runs. The shares do not move H (it is the hosts' constant in the model), but
   where the model is off the fit absorbs it, in steps of 4.4% with hysteresis.
   The time above the link model's is the host's only if the host had no CPU to spare:
-  a fit counts when the CPUs this process may run on were busy for HOST_BUSY of the
-  operation, or one of its threads ran for that long (host_busy: /proc/stat and
-  schedstat). Otherwise the excess is the wire's (headers, ACKs, drops and
+  a fit counts when the CPUs this process may run on were busy for HOST_BUSY of the time
+  (/proc/stat, read once per window of operations of at least 0.1 s and 20 clock ticks),
+  or the endpoint's progress thread or the caller's ran for HOST_BUSY of the operation
+  (HostGate). Otherwise the excess is the wire's (headers, ACKs, drops and
   retransmissions), which scales every link alike and must not move the shares, and the
   fit is inf (the wire's pace). Where the kernel does not say, the fit counts.
   MRC_RESILIENT_HOST=0 (host_aware=False) plans on the link rates alone.
@@ -53,8 +54,9 @@ import math
 import os
 import statistics
 import threading
+import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -86,31 +88,24 @@ _PLAN_CACHE = 64
 # not the alpha of a few hops, is what the time says); the median of the last HOST_FITS.
 HOST_FIT_BYTES = 4 << 20
 HOST_FITS = 8
-# A fit counts only when the host had no CPU to spare during the operation: the CPUs
-# this process may run on were busy for at least this fraction of it, or one of its
-# threads ran for that long (a saturated progress thread on a host of many cores).
-# Measured on two cores, 4 ranks, 64 MiB all_reduce: at 4 x 1 Gbit/s (CPU-bound) the CPUs
-# were 0.97-0.99 busy; at 4 x 50 Mbit/s (link-bound) 0.59-0.71, the busiest thread ran
-# 0.22-0.30 of the time.
+# A fit counts only when the host had no CPU to spare: the CPUs this process may run on
+# were busy for at least this fraction of the time, or one of the datapath's threads (the
+# endpoint's progress thread, the caller's that runs the executor) ran for that fraction
+# of the operation (a saturated thread on a host of many cores). Measured on two cores,
+# 4 ranks, 64 MiB all_reduce: at 4 x 1 Gbit/s (CPU-bound) the CPUs were 0.97-0.99 busy;
+# at 4 x 50 Mbit/s (link-bound) 0.55-0.71, the busiest thread ran 0.22-0.30 of the time.
 HOST_BUSY = 0.85
-# Fewer clock ticks (/proc/stat's unit, 10 ms per CPU) than this over an operation say
-# too little (a 4 MiB all_reduce of 30 ms on two CPUs counts 6): then only a saturated
-# thread says anything, and without one the fit stands.
+# The CPUs' busy fraction is read over windows of at least this many clock ticks
+# (/proc/stat's unit, 10 ms per CPU; a 4 MiB all_reduce of 30 ms on two CPUs counts 6)
+# and HOST_WINDOW_S: the operations' fits wait for their window's answer.
 MIN_BUSY_TICKS = 20
+HOST_WINDOW_S = 0.1
+_PENDING_FITS = 64
 
 
-@dataclasses.dataclass(frozen=True)
-class HostSample:
-    """The kernel's CPU counters at one time, for host_busy(). ticks: (busy, all) clock
-    ticks of the CPUs this process may run on (/proc/stat); threads: nanoseconds each of
-    its threads has run (/proc/self/task/*/schedstat). None: the kernel did not say."""
-
-    ticks: tuple[int, int] | None
-    threads: dict[int, int] | None
-
-
-def host_sample() -> HostSample:
-    ticks: tuple[int, int] | None
+def cpu_ticks() -> tuple[int, int] | None:
+    """(busy, all) clock ticks so far of the CPUs this process may run on (/proc/stat);
+    None where the kernel does not say."""
     try:
         cpus = {f"cpu{c}" for c in os.sched_getaffinity(0)}
         busy = total = 0
@@ -122,56 +117,70 @@ def host_sample() -> HostSample:
                     v = [int(x) for x in rest.split()[:8]]
                     busy += v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
                     total += sum(v)
-        ticks = (busy, total) if total else None
     except (OSError, ValueError, IndexError):
-        ticks = None
-    threads: dict[int, int] = {}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        tids = []
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
-                threads[int(tid)] = int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # the thread ended meanwhile
-    return HostSample(ticks, threads or None)
-
-
-def host_busy(before: HostSample, after: HostSample, wall_s: float) -> float | None:
-    """How busy the host was between two samples wall_s apart, or None when that is not
-    known. A thread that ran for HOST_BUSY of wall_s answers alone (it was the limit).
-    Otherwise the answer needs the CPUs' counters over at least MIN_BUSY_TICKS: the larger
-    of their busy fraction and the busiest thread's."""
-    ran = 0.0
-    if before.threads is not None and after.threads is not None and wall_s > 0.0:
-        t0, t1 = before.threads, after.threads
-        ran = max((t1[t] - t0[t] for t in t1.keys() & t0.keys()), default=0) / (wall_s * 1e9)
-    if ran >= HOST_BUSY:
-        return ran
-    if before.ticks is None or after.ticks is None:
         return None
-    busy, ticks = after.ticks[0] - before.ticks[0], after.ticks[1] - before.ticks[1]
-    if ticks < MIN_BUSY_TICKS:
-        return None
-    return max(ran, busy / ticks)
+    return (busy, total) if total else None
 
 
-def host_fit(
-    shares: Sequence[float],
-    bw_send: Sequence[float],
-    bw_recv: Sequence[float],
-    nbytes: float,
-    seconds: float,
-    busy: float | None,
-) -> float:
-    """One operation's host-rate fit: model.fit_host_rate_shares, or inf (the wire's
-    pace) when the host had CPU to spare (busy, host_busy()'s answer, under HOST_BUSY;
-    None, not known: the fit stands)."""
-    if busy is not None and busy < HOST_BUSY:
-        return math.inf
-    return model.fit_host_rate_shares(shares, bw_send, bw_recv, nbytes, seconds)
+def thread_ran(before: Mapping[str, int], after: Mapping[str, int], wall_s: float) -> float:
+    """The largest fraction of wall_s that one of the threads ran (ns counters by name)."""
+    if not wall_s > 0.0:
+        return 0.0
+    return max((after[t] - before[t] for t in after.keys() & before.keys()), default=0) / (
+        wall_s * 1e9
+    )
+
+
+class HostGate:
+    """Whether each operation's host-rate fit counts: at once when one of the datapath's
+    threads ran for HOST_BUSY of it; otherwise when the window it fell in closes (at least
+    MIN_BUSY_TICKS and HOST_WINDOW_S): its fit if the CPUs were busy for HOST_BUSY of the
+    window, inf (the wire's pace) if not. Where the kernel gives no ticks, fits stand.
+    ticks and clock are the kernel's (cpu_ticks, time.monotonic) unless a test says."""
+
+    def __init__(
+        self,
+        ticks: Callable[[], tuple[int, int] | None] = cpu_ticks,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._ticks, self._clock = ticks, clock
+        self._window: tuple[float, tuple[int, int] | None] | None = None
+        self._pending: deque[float] = deque(maxlen=_PENDING_FITS)
+        self.busy: float | None = None  # the last answer: a thread's or a window's
+
+    def start(self) -> None:
+        """Before an operation: opens a window unless one is open (one /proc/stat read)."""
+        if self._window is None:
+            self._window = (self._clock(), self._ticks())
+
+    def offer(self, fit: float, ran: float) -> list[float]:
+        """An operation's fit and its busiest thread's run fraction; returns the fits that
+        count now (this one, or those of a window that closed, maybe none)."""
+        if ran >= HOST_BUSY:
+            self.busy = ran
+            return [fit]
+        self._pending.append(fit)
+        if self._window is None or self._window[1] is None:
+            self._window = None
+            return self._release(None)
+        t0, (b0, a0) = self._window
+        if self._clock() - t0 < HOST_WINDOW_S:
+            return []
+        now = self._ticks()
+        if now is None:
+            self._window = None
+            return self._release(None)
+        if now[1] - a0 < MIN_BUSY_TICKS:
+            return []
+        self._window = None
+        self.busy = (now[0] - b0) / (now[1] - a0)
+        return self._release(self.busy)
+
+    def _release(self, busy: float | None) -> list[float]:
+        spare = busy is not None and busy < HOST_BUSY
+        out = [math.inf if spare else f for f in self._pending]
+        self._pending.clear()
+        return out
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -226,7 +235,7 @@ class Resilience:
             _env_flag("MRC_RESILIENT_HOST", True) if host_aware is None else host_aware
         )
         self._host_fits: deque[float] = deque(maxlen=HOST_FITS)
-        self.host_busy: float | None = None  # how busy the host was in the last fitted one
+        self._gate = HostGate()
         self.exchange_bytes = (
             _env_int("MRC_RESILIENT_EXCHANGE_BYTES", DEFAULT_EXCHANGE_BYTES)
             if exchange_bytes is None
@@ -288,18 +297,27 @@ class Resilience:
             return 0.0
         return float(statistics.median(self._host_fits))
 
-    def host_before(self, nbytes: int) -> HostSample | None:
-        """Before an all_reduce: the host's CPU counters, for observed(); only where a fit
-        may follow (a few files read per operation of HOST_FIT_BYTES or more)."""
+    def _threads(self) -> dict[str, int]:
+        """ns the datapath's threads have run: the endpoint's progress thread and this one
+        (which runs the executor); two clock reads."""
+        return {
+            "progress": self.comm.endpoint.progress_cpu_ns(),
+            "caller": time.thread_time_ns(),
+        }
+
+    def host_before(self, nbytes: int) -> dict[str, int] | None:
+        """Before an all_reduce: the threads' CPU times, for observed(); only where a fit
+        may follow (HOST_FIT_BYTES or more)."""
         if not self.host_aware or not self.enabled or nbytes < HOST_FIT_BYTES:
             return None
-        return host_sample()
+        self._gate.start()
+        return self._threads()
 
-    def observed(self, nbytes: int, seconds: float, before: HostSample | None = None) -> None:
+    def observed(self, nbytes: int, seconds: float, before: dict[str, int] | None = None) -> None:
         """After an all_reduce this planner chose the shares of: fit the host rate to its
-        time, its shares and the rates agreed for it, unless the host had CPU to spare
-        (before: host_before()'s sample; see the module's docstring)."""
-        busy = None if before is None else host_busy(before, host_sample(), seconds)
+        time, its shares and the rates agreed for it; the fit counts unless the host had
+        CPU to spare (HostGate; before: host_before()'s answer)."""
+        ran = 0.0 if before is None else thread_ran(before, self._threads(), seconds)
         with self._lock:
             last, agreed = self.last, self.agreed
             if (
@@ -314,10 +332,10 @@ class Resilience:
             ):
                 return
             rates = self._rates(agreed)
-            self.host_busy = busy
-            self._host_fits.append(
-                host_fit(last["shares"], rates.send, rates.recv, float(nbytes), seconds, busy)
+            fit = model.fit_host_rate_shares(
+                last["shares"], rates.send, rates.recv, float(nbytes), seconds
             )
+            self._host_fits.extend(self._gate.offer(fit, ran))
 
     def _exchange(self) -> None:
         """All-gather every rank's record through the executor and agree. Runs on the
@@ -461,7 +479,7 @@ class Resilience:
         return {
             "enabled": self.enabled,
             "host_aware": self.host_aware,
-            "host_busy": self.host_busy,
+            "host_busy": self._gate.busy,
             "exchange_bytes": self.exchange_bytes,
             "exchange_every": self.exchange_every,
             "all_reduces": self.ops,

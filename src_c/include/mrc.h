@@ -94,6 +94,10 @@ void mrc_ep_destroy(mrc_ep *ep);
 int mrc_ep_nplanes(const mrc_ep *ep);
 /* The plane's bound address and UDP port. */
 int mrc_ep_plane(const mrc_ep *ep, int plane, char *addr, size_t addrlen, uint16_t *port);
+/* CPU time the endpoint's progress thread has used, in nanoseconds; 0 when the
+ * kernel cannot say. Any thread may ask, while the endpoint exists: a planner
+ * learns from it whether the datapath, not the wire, set an operation's pace. */
+uint64_t mrc_ep_progress_cpu_ns(const mrc_ep *ep);
 
 /* Fault injection on a local plane, for tests and tools: each packet sent on
  * the plane is dropped with probability tx_loss; a plane marked down drops
