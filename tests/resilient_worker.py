@@ -57,13 +57,13 @@ def main() -> None:
         if (not schedules or schedules[-1] != name) and st["agreed"] is not None:
             planes[i] = st["agreed"]["planes_up"]
         schedules.append(name)
-        if comm.rank == 0 and mode == "heal":
+        if comm.rank == 0 and mode in ("heal", "pull"):
             print(json.dumps({"op": i, "schedule": name}), flush=True)
         went_resilient = went_resilient or name == "resilient"
         if mode == "heal" and went_resilient and name == "equal":
             break
     else:
-        ok = mode == "loop"
+        ok = mode in ("loop", "pull")
     result = {
         "rank": comm.rank,
         "ok": ok,

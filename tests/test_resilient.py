@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -41,11 +42,11 @@ def reference_sha(count: int | None = None) -> str:
     return hashlib.sha256(acc.tobytes()).hexdigest()
 
 
-def launch(fab: object, *worker_args: str) -> subprocess.Popen[str]:
+def launch(fab: object, *worker_args: str, timeout: float = 30) -> subprocess.Popen[str]:
     env = {**os.environ, "MRC_RESILIENT_EXCHANGE_BYTES": "0"}
     return subprocess.Popen(
         [sys.executable, "-m", "mrc.run", "-n", "4", "--fabric", FABRIC,
-         "--name", fab.prefix, "--timeout", "30", "--", sys.executable, WORKER,
+         "--name", fab.prefix, "--timeout", str(timeout), "--", sys.executable, WORKER,
          *worker_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
     )  # fmt: skip
@@ -108,7 +109,8 @@ def test_host_rate_is_fitted_agreed_and_planned_with() -> None:
     """All_reduces of 4 MiB and more, healthy, with equal shares: every rank fits its
     host's own rate to them (the time above the model's wire time), the records carry it,
     every rank agrees on the same value, and the planner's prediction is model.plan's with
-    that host rate. MRC_RESILIENT_HOST=0: none of it."""
+    that host rate. MRC_RESILIENT_HOST=0: none of it. 12 operations: fits wait for a
+    window of at least 0.1 s of them to say whether the CPUs were busy (HostGate)."""
     count = (4 << 20) // 4 + 3
     ref = reference_sha(count)
     for aware in ("1", "0"):
@@ -116,7 +118,7 @@ def test_host_rate_is_fitted_agreed_and_planned_with() -> None:
                "MRC_RESILIENT_HOST": aware}  # fmt: skip
         p = subprocess.run(
             [sys.executable, "-m", "mrc.run", "-n", "4", "--timeout", "30", "--",
-             sys.executable, WORKER, "loop", "4"],
+             sys.executable, WORKER, "loop", "12"],
             capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env}, timeout=120,
         )  # fmt: skip
         assert p.returncode == 0, p.stdout + p.stderr
@@ -126,7 +128,7 @@ def test_host_rate_is_fitted_agreed_and_planned_with() -> None:
         host = agreed[0]["host_rate"]
         for r in range(4):
             st = got[r]["stats"]
-            assert got[r]["hashes"] == [ref] * 4 and st["host_aware"] == (aware == "1")
+            assert got[r]["hashes"] == [ref] * 12 and st["host_aware"] == (aware == "1")
             if aware == "0":
                 assert host is None and st["local"]["host_rate"] == 0.0
                 continue
@@ -215,3 +217,40 @@ def test_plane_failed_mid_loop_and_healed_keeps_the_bits() -> None:
         assert got[r]["planes"][str(first)][1] == [0, 2, 3]
         assert got[r]["planes"][str(n - 1)][1] == [0, 1, 2, 3]
     assert len({json.dumps(got[r]["schedules"]) for r in range(4)}) == 1
+
+
+@pytest.mark.root
+def test_the_rendezvous_plane_pulled_mid_loop_keeps_the_group() -> None:
+    """The rendezvous listens on rank 0's plane-0 address (MASTER_ADDR), so h1's plane-0
+    cable carries h1's first rendezvous connection. Pulled mid-loop, with a 2 s timeout:
+    the group lives on through its links on the other planes (rendezvous.py) for
+    several timeouts, every result stays bit-identical, and close() does not wait out a timeout.
+    Before the links, the group failed one timeout after the pull ("rank 1 sent nothing
+    for 2 s"), while the transport was carrying on."""
+    timeout, ref = 2.0, reference_sha()
+    with fabric_up(FABRIC) as fab:
+        p = launch(fab, "pull", "600", timeout=timeout)
+        lines: list[str] = []
+        pulled = last = 0.0
+        timer = threading.Timer(150, p.kill)  # a hang fails the test instead of stalling it
+        timer.start()
+        try:
+            assert p.stdout is not None
+            for line in p.stdout:
+                lines.append(line)
+                if not line.startswith('[0] {"op"'):
+                    continue
+                last = time.monotonic()
+                if json.loads(line.split("] ", 1)[1])["op"] == 3 and not pulled:
+                    fab.fail("h1-p0l0")
+                    pulled = time.monotonic()
+            p.wait(timeout=30)
+            ended = time.monotonic()
+        finally:
+            timer.cancel()
+    assert p.returncode == 0, "".join(lines[-40:])
+    assert pulled and last - pulled > 2 * timeout, (pulled, last)  # outlived it, twice over
+    assert ended - last < timeout, (last, ended)  # and closed without waiting one out
+    got = results(lines)
+    for r in range(4):
+        assert got[r]["hashes"] == [ref] * 600, r

@@ -127,6 +127,10 @@ class Communicator(Collectives):
         try:
             if self.rank == 0:
                 self._server = rendezvous.take_server(self.uid) or rendezvous.try_serve(self.uid)
+                if self._server is not None:
+                    # Links on rank 0's other planes: a pulled cable under the rendezvous'
+                    # own connection must not silence a healthy rank (rendezvous.py).
+                    self._server.add_links([addr for addr, _ in self.endpoint.planes])
             self._client = RendezvousClient(self.uid, self.timeout)
             infos = self._client.join(self.rank, self.size, self._info())
             self._client.start_monitor(self._on_failed, self._on_closed, self._released.set)

@@ -19,6 +19,16 @@ The connection stays open for the communicator's life: it is how a rank's death 
 the others at once (its socket closes without a "bye") and how a stopped or cut-off rank
 is noticed (no heartbeat for `timeout` seconds), independent of the transport's timers.
 One selector thread serves every rank, so a slow rank never holds up the others.
+
+Links: one TCP connection runs on one plane, so a pulled cable on it would silence a
+healthy rank and, after `timeout`, fail the whole group, while the transport carries on
+over the other planes. So the server also listens on rank 0's other plane addresses
+(add_links; the table lists them) and every rank opens a second connection to each
+({"op": "attach", token, rank} after the greeting). Every message goes out on every link
+of a rank, and any of them keeps it alive; a link whose path breaks (a socket error other
+than a reset) is dropped alone. A rank is lost when all its links are silent for
+`timeout`, or at once when one of them closes (its process closed them: EOF or reset)
+without a "bye". Duplicates are harmless: every message is idempotent on both sides.
 """
 
 from __future__ import annotations
@@ -130,13 +140,22 @@ class PortInUse(UsageError):
     """The rendezvous port is taken (by another server, perhaps the right one)."""
 
 
+def _closed_by_peer(e: OSError) -> bool:
+    """A socket error that says the other side's process closed the connection (a reset),
+    as against its path breaking (a timeout, an unreachable host or network)."""
+    return e.errno in (errno.ECONNRESET, errno.ECONNABORTED)
+
+
 class _Peer:
+    """One connection. A rank's first (the join) is its record; its links point at it."""
+
     def __init__(self, sock: socket.socket, where: str) -> None:
         self.sock = sock
         self.where = where
         self.buf = b""
         self.rank: int | None = None
-        self.last_seen = time.monotonic()
+        self.owner: _Peer | None = None  # a link: the rank's record
+        self.last_seen = time.monotonic()  # the record's: any of the rank's links
         self.gone = False  # said bye or failed: no more heartbeats expected
         self.info: dict[str, Any] = {}
 
@@ -174,8 +193,40 @@ class RendezvousServer:
         self._left: set[int] = set()  # ranks that closed, aborted or failed
         self._released = False
         self._stopping = False
+        self._links: list[tuple[str, int]] = []  # (addr, port) of the extra listeners
+        self._link_socks: list[socket.socket] = []
+        self._links_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="mrc-rendezvous", daemon=True)
         self._thread.start()
+
+    def add_links(self, addrs: list[str]) -> None:
+        """Listen on these addresses too (rank 0's other planes; any port), for the ranks'
+        extra links. Before the group is complete: the table lists them. An address that
+        cannot be bound is left out (it only costs that link)."""
+        for addr in addrs:
+            if addr == self.uid.addr:
+                continue
+            family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+            ls = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                ls.bind((addr, 0))
+                ls.listen(256)
+            except OSError:
+                ls.close()
+                continue
+            ls.setblocking(False)
+            with self._links_lock:
+                self._links.append((addr, ls.getsockname()[1]))
+                self._link_socks.append(ls)
+            self._wake()  # the loop registers it
+
+    def _register_links(self) -> None:
+        with self._links_lock:
+            for ls in self._link_socks:
+                try:
+                    self._sel.get_key(ls)
+                except KeyError:
+                    self._sel.register(ls, selectors.EVENT_READ, ls)
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -185,9 +236,12 @@ class RendezvousServer:
             interval = heartbeat_interval(self._timeout)
             for key, _ in self._sel.select(timeout=interval / 2):
                 if key.data is None:
-                    self._accept()
+                    self._accept(self._lsock)
+                elif isinstance(key.data, socket.socket):
+                    self._accept(key.data)
                 elif key.data == "wake":
                     self._wake_r.recv(64)
+                    self._register_links()
                 else:
                     self._read(key.data)
             now = time.monotonic()
@@ -196,9 +250,9 @@ class RendezvousServer:
                 self._beat(now)
         self._shutdown()
 
-    def _accept(self) -> None:
+    def _accept(self, lsock: socket.socket) -> None:
         try:
-            sock, addr = self._lsock.accept()
+            sock, addr = lsock.accept()
         except BlockingIOError:
             return
         sock.setblocking(True)  # small writes; reads only when the selector says so
@@ -215,12 +269,17 @@ class RendezvousServer:
     def _read(self, peer: _Peer) -> None:
         try:
             data = peer.sock.recv(65536)
-        except OSError:
+        except OSError as e:
+            if not _closed_by_peer(e):  # its path broke, not its process: this link only
+                return self._drop(peer)
             data = b""
         if not data:
-            self._lost(peer, "exited or lost its rendezvous connection without close()")
+            self._lost(
+                peer.owner or peer, "exited or lost its rendezvous connection without close()"
+            )
+            self._drop(peer)
             return
-        peer.last_seen = time.monotonic()
+        (peer.owner or peer).last_seen = time.monotonic()
         peer.buf += data
         while b"\n" in peer.buf:
             line, peer.buf = peer.buf.split(b"\n", 1)
@@ -235,17 +294,30 @@ class RendezvousServer:
 
     def _handle(self, peer: _Peer, msg: dict[str, Any]) -> None:
         op = msg.get("op")
+        owner = peer.owner or peer
         if op == "join":
             self._join(peer, msg)
+        elif op == "attach":
+            self._attach(peer, msg)
+        elif op in ("bye", "abort") and owner.gone:
+            return  # the same goodbye again, on another link
         elif op == "bye":
-            peer.gone = True
-            if peer.rank is not None:
-                self._broadcast({"op": "closed", "rank": peer.rank}, skip=peer)
-                self._left_group(peer.rank)
-        elif op == "abort" and peer.rank is not None:
-            peer.gone = True
-            self._fail(peer.rank, str(msg.get("message", "aborted")), skip=peer)
-            self._left_group(peer.rank)
+            owner.gone = True
+            if owner.rank is not None:
+                self._broadcast({"op": "closed", "rank": owner.rank}, skip=owner)
+                self._left_group(owner.rank)
+        elif op == "abort" and owner.rank is not None:
+            owner.gone = True
+            self._fail(owner.rank, str(msg.get("message", "aborted")), skip=owner)
+            self._left_group(owner.rank)
+
+    def _attach(self, peer: _Peer, msg: dict[str, Any]) -> None:
+        """An extra link of a rank that has joined: messages to the rank go on it too."""
+        rank = msg.get("rank")
+        owner = self._by_rank.get(rank) if isinstance(rank, int) else None
+        if msg.get("token") != self.uid.token or owner is None or owner.gone:
+            return self._drop(peer)
+        peer.rank, peer.owner = owner.rank, owner
 
     def _left_group(self, rank: int) -> None:
         """Once every rank has closed (or failed), release the ranks waiting in close():
@@ -297,7 +369,9 @@ class RendezvousServer:
         if len(self._by_rank) == self._size:
             self._complete = True
             infos = [self._by_rank[r].info for r in range(self._size)]
-            self._broadcast({"op": "table", "infos": infos})
+            with self._links_lock:
+                links = [list(x) for x in self._links]
+            self._broadcast({"op": "table", "infos": infos, "links": links})
 
     def _beat(self, now: float) -> None:
         if not self._complete and self._deadline is not None and now > self._deadline:
@@ -314,16 +388,19 @@ class RendezvousServer:
         if not self._complete:
             return
         self._broadcast({"op": "hb"})
-        for p in list(self._peers):
-            if p.rank is not None and not p.gone and now - p.last_seen > self._timeout:
+        for r, p in list(self._by_rank.items()):
+            if r not in self._left and not p.gone and now - p.last_seen > self._timeout:
                 self._lost(p, f"sent nothing for {now - p.last_seen:.1f} s (stopped or cut off)")
 
     # --- failures ---------------------------------------------------------------------
 
     def _lost(self, peer: _Peer, what: str) -> None:
+        """peer: a rank's record (or a connection that never joined)."""
         rank, gone = peer.rank, peer.gone
         self._drop(peer)
-        if rank is None or gone:
+        for link in [p for p in self._peers if p.owner is peer]:
+            self._drop(link)
+        if rank is None or gone or rank in self._left:
             return
         if not self._complete:
             # A rank that leaves before the table is out can never be part of it.
@@ -351,8 +428,9 @@ class RendezvousServer:
         self._drop(peer)
 
     def _broadcast(self, msg: dict[str, Any], skip: _Peer | None = None) -> None:
+        """To every connection of every joined rank but skip's (a record: all its links)."""
         for p in list(self._peers):
-            if p is skip or p.rank is None:
+            if p.rank is None or (skip is not None and (p is skip or p.owner is skip)):
                 continue
             try:
                 _send(p.sock, msg)
@@ -386,12 +464,18 @@ class RendezvousServer:
             self._drop(p)
         self._sel.close()
         self._lsock.close()
+        with self._links_lock:
+            for ls in self._link_socks:
+                ls.close()
         self._wake_r.close()
         self._wake_w.close()
 
 
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks) if ranks else "none"
+
+
+_RANK0_EXITED = "rank 0 exited or lost its rendezvous connection without close()"
 
 
 class RendezvousClient:
@@ -402,6 +486,9 @@ class RendezvousClient:
         self.timeout = timeout
         self._lock = threading.Lock()  # sendall from the monitor and the caller
         self._sock = self._connect(time.monotonic() + timeout)
+        self._socks = [self._sock]  # the join's connection, then the links to the others
+        self._links: list[tuple[str, int]] = []  # the server's other addresses (the table)
+        self._rank: int | None = None
         self._buf = b""
         self._closed = False
         self._monitor: threading.Thread | None = None
@@ -488,15 +575,18 @@ class RendezvousClient:
         return msg
 
     def send(self, msg: dict[str, Any]) -> None:
+        """On every link: any one of them that gets through is enough."""
         with self._lock:
             if self._closed:
                 return
-            try:
-                _send(self._sock, msg)
-            except OSError:
-                pass  # the monitor sees the server go
+            for sock in self._socks:
+                try:
+                    _send(sock, msg)
+                except OSError:
+                    pass  # the monitor sees the server or the link go
 
     def join(self, rank: int, size: int, info: dict[str, Any]) -> list[dict[str, Any]]:
+        self._rank = rank
         msg = {"op": "join", "version": VERSION, "token": self.uid.token, "rank": rank}
         self.send({**msg, "size": size, "timeout": self.timeout, "info": info})
         # The server gives up at its own deadline and says who is missing; ours is later.
@@ -517,6 +607,7 @@ class RendezvousClient:
                     rank=0,
                 )
             if reply["op"] == "table":
+                self._links = [(str(a), int(p)) for a, p in reply.get("links", [])]
                 return list(reply["infos"])
             if reply["op"] == "failed":
                 raise CollectiveError(
@@ -543,49 +634,105 @@ class RendezvousClient:
             last_heard = time.monotonic()
             next_beat = 0.0
             rank0_closing = False  # rank 0 said bye: its server goes with it, not a failure
-            while not self._closed:
-                now = time.monotonic()
-                if now >= next_beat:
-                    self.send({"op": "hb"})
-                    next_beat = now + interval
-                try:
-                    msg = self._recv(min(next_beat, last_heard + self.timeout))
-                except TimeoutError:
-                    if rank0_closing:
-                        continue
-                    if time.monotonic() - last_heard > self.timeout and not self._closed:
+            sel = selectors.DefaultSelector()
+            bufs: dict[socket.socket, bytes] = {}
+            try:
+                while not self._closed:
+                    with self._lock:  # links the attacher added since
+                        for sock in self._socks:
+                            if sock not in bufs:
+                                sock.settimeout(None)
+                                bufs[sock] = self._buf if sock is self._sock else b""
+                                sel.register(sock, selectors.EVENT_READ)
+                    now = time.monotonic()
+                    if now >= next_beat:
+                        self.send({"op": "hb"})
+                        next_beat = now + interval
+                    wait = max(0.0, min(next_beat, last_heard + self.timeout) - now)
+                    if not any(b"\n" in b for b in bufs.values()):
+                        for key, _ in sel.select(wait):
+                            sock = key.fileobj
+                            assert isinstance(sock, socket.socket)
+                            try:
+                                data = sock.recv(65536)
+                            except OSError as e:
+                                if not _closed_by_peer(e):  # this link's path broke
+                                    sel.unregister(sock)
+                                    del bufs[sock]
+                                    self._drop_link(sock)
+                                    continue
+                                data = b""
+                            if not data:  # rank 0's process closed it
+                                if self._closed:
+                                    return
+                                if rank0_closing:
+                                    on_closed(None)
+                                    return
+                                on_failed(0, _RANK0_EXITED)
+                                return
+                            bufs[sock] += data
+                    for sock, buf in list(bufs.items()):
+                        while b"\n" in buf:
+                            line, buf = buf.split(b"\n", 1)
+                            bufs[sock] = buf
+                            try:
+                                msg = json.loads(line)
+                            except ValueError:
+                                on_failed(0, "rank 0's rendezvous sent a line that is not JSON")
+                                return
+                            last_heard = time.monotonic()
+                            if self._closed:
+                                return
+                            op = msg.get("op")
+                            if op == "failed":
+                                on_failed(msg.get("rank"), str(msg.get("message")))
+                                return
+                            if op == "released":
+                                on_released()
+                                return
+                            if op == "closed":
+                                rank0_closing = rank0_closing or msg.get("rank") == 0
+                                on_closed(msg.get("rank"))
+                                if msg.get("rank") is None:
+                                    return  # rank 0 closed its communicator: nothing to watch
+                    silent = time.monotonic() - last_heard
+                    if silent > self.timeout and not rank0_closing and not self._closed:
                         on_failed(
                             0,
-                            f"rank 0 (the rendezvous) sent nothing for "
-                            f"{self.timeout:g} s (stopped or cut off)",
+                            f"rank 0 (the rendezvous) sent nothing for {self.timeout:g} s "
+                            "(stopped or cut off)",
                         )
                         return
-                    continue
-                except (OSError, ValueError):
-                    msg = None
-                if self._closed:
-                    return
-                if msg is None and rank0_closing:
-                    on_closed(None)
-                    return
-                if msg is None:
-                    on_failed(0, "rank 0 exited or lost its rendezvous connection without close()")
-                    return
-                last_heard = time.monotonic()
-                if msg["op"] == "failed":
-                    on_failed(msg.get("rank"), str(msg.get("message")))
-                    return
-                if msg["op"] == "released":
-                    on_released()
-                    return
-                if msg["op"] == "closed":
-                    rank0_closing = rank0_closing or msg.get("rank") == 0
-                    on_closed(msg.get("rank"))
-                    if msg.get("rank") is None:
-                        return  # rank 0 closed its communicator: nothing more to watch
+            finally:
+                sel.close()
 
+        if self._links:
+            threading.Thread(target=self._attach, name="mrc-comm-links", daemon=True).start()
         self._monitor = threading.Thread(target=run, name="mrc-comm-monitor", daemon=True)
         self._monitor.start()
+
+    def _attach(self) -> None:
+        """Open a link to each of the server's other addresses (after the table): a
+        connection on another plane that keeps this rank heard when the join's plane
+        fails. One that cannot connect is left out."""
+        for addr, port in self._links:
+            try:
+                sock = socket.create_connection((addr, port), timeout=min(2.0, self.timeout))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _send(sock, {"op": "attach", "token": self.uid.token, "rank": self._rank})
+            except OSError:
+                continue
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                self._socks.append(sock)
+
+    def _drop_link(self, sock: socket.socket) -> None:
+        with self._lock:
+            if sock in self._socks:
+                self._socks.remove(sock)
+        sock.close()
 
     def close(self, message: dict[str, Any] | None = None) -> None:
         if message is not None:
@@ -594,10 +741,12 @@ class RendezvousClient:
             if self._closed:
                 return
             self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+            socks = list(self._socks)
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
         if self._monitor is not None and threading.current_thread() is not self._monitor:
             self._monitor.join(timeout=5)
