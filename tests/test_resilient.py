@@ -18,7 +18,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,6 +63,24 @@ def results(lines: list[str]) -> dict[int, dict]:
                 got[doc["rank"]] = doc
     assert sorted(got) == [0, 1, 2, 3], "".join(lines)
     return got
+
+
+def follow(p: subprocess.Popen[str], on_op: Callable[[dict[str, Any]], None]) -> list[str]:
+    """mrc-run's lines until it ends; on_op gets each of rank 0's per-operation events. A
+    hang fails the test instead of stalling it."""
+    lines: list[str] = []
+    timer = threading.Timer(150, p.kill)
+    timer.start()
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith('[0] {"op"'):
+                on_op(json.loads(line.split("] ", 1)[1]))
+        p.wait(timeout=30)
+    finally:
+        timer.cancel()
+    return lines
 
 
 def run_loop(fab: object, n: int) -> tuple[dict[int, dict], str]:
@@ -185,26 +205,17 @@ def test_plane_failed_mid_loop_and_healed_keeps_the_bits() -> None:
     ref = reference_sha()
     with fabric_up(FABRIC) as fab:
         p = launch(fab, "heal", "3000")
-        lines: list[str] = []
         events: dict[str, int] = {}
-        timer = threading.Timer(150, p.kill)  # a hang fails the test instead of stalling it
-        timer.start()
-        try:
-            assert p.stdout is not None
-            for line in p.stdout:
-                lines.append(line)
-                if not line.startswith('[0] {"op"'):
-                    continue
-                ev = json.loads(line.split("] ", 1)[1])
-                if ev["op"] == 3 and "fail" not in events:
-                    fab.fail(H1_PLANE1)  # between (or during) operations 3 and 4
-                    events["fail"] = ev["op"]
-                elif ev["schedule"] == "resilient" and "heal" not in events:
-                    fab.heal(H1_PLANE1)
-                    events["heal"] = ev["op"]
-            p.wait(timeout=30)
-        finally:
-            timer.cancel()
+
+        def on_op(ev: dict[str, Any]) -> None:
+            if ev["op"] == 3 and "fail" not in events:
+                fab.fail(H1_PLANE1)  # between (or during) operations 3 and 4
+                events["fail"] = ev["op"]
+            elif ev["schedule"] == "resilient" and "heal" not in events:
+                fab.heal(H1_PLANE1)
+                events["heal"] = ev["op"]
+
+        lines = follow(p, on_op)
     assert p.returncode == 0, "".join(lines[-40:])
     got = results(lines)
     for r in range(4):
@@ -230,24 +241,17 @@ def test_the_rendezvous_plane_pulled_mid_loop_keeps_the_group() -> None:
     timeout, ref = 2.0, reference_sha()
     with fabric_up(FABRIC) as fab:
         p = launch(fab, "pull", "600", timeout=timeout)
-        lines: list[str] = []
-        pulled = last = 0.0
-        timer = threading.Timer(150, p.kill)  # a hang fails the test instead of stalling it
-        timer.start()
-        try:
-            assert p.stdout is not None
-            for line in p.stdout:
-                lines.append(line)
-                if not line.startswith('[0] {"op"'):
-                    continue
-                last = time.monotonic()
-                if json.loads(line.split("] ", 1)[1])["op"] == 3 and not pulled:
-                    fab.fail("h1-p0l0")
-                    pulled = time.monotonic()
-            p.wait(timeout=30)
-            ended = time.monotonic()
-        finally:
-            timer.cancel()
+        at = {"pulled": 0.0, "last": 0.0}
+
+        def on_op(ev: dict[str, Any]) -> None:
+            at["last"] = time.monotonic()
+            if ev["op"] == 3 and not at["pulled"]:
+                fab.fail("h1-p0l0")
+                at["pulled"] = time.monotonic()
+
+        lines = follow(p, on_op)
+        ended = time.monotonic()
+    pulled, last = at["pulled"], at["last"]
     assert p.returncode == 0, "".join(lines[-40:])
     assert pulled and last - pulled > 2 * timeout, (pulled, last)  # outlived it, twice over
     assert ended - last < timeout, (last, ended)  # and closed without waiting one out
