@@ -5,9 +5,10 @@
 
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 (torchrun's names) and MRC_PORT, MRC_RUN_ID, MRC_TIMEOUT, and on a fabric MRC_FABRIC,
-MRC_FABRIC_NAME, MRC_HOST, so mrc.Communicator.from_env() needs nothing else. On a fabric
-(which must be up: `mrc-fabric up FILE --name NAME`) rank r runs in host r's namespace
-(--hosts to choose) and MASTER_ADDR is rank 0's host's plane-0 address.
+MRC_FABRIC_NAME, MRC_HOST, MRC_MASTER_ADDRS, so mrc.Communicator.from_env() needs nothing
+else. On a fabric (which must be up: `mrc-fabric up FILE --name NAME`) rank r runs in host
+r's namespace (--hosts to choose), MASTER_ADDR is rank 0's host's plane-0 address and
+MRC_MASTER_ADDRS all its planes' (a rank whose plane 0 is down joins over another).
 
 Every output line is prefixed "[r] ". When a rank fails, the others get --settle seconds
 (2) to end by themselves (their communicators raise at once, naming it), then are stopped
@@ -214,6 +215,8 @@ def _plan_fabric(
         **common,
         **ports(*free_ports_in(name, hosts[0], 2)),
         "MASTER_ADDR": fab.host(hosts[0]).addrs[0],
+        # its other planes: a rank whose plane-0 cable is down joins over another
+        "MRC_MASTER_ADDRS": ",".join(fab.host(hosts[0]).addrs),
         "MRC_FABRIC": str(FsPath(fabric).resolve()),
         "MRC_FABRIC_NAME": name,
     }

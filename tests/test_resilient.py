@@ -258,3 +258,17 @@ def test_the_rendezvous_plane_pulled_mid_loop_keeps_the_group() -> None:
     got = results(lines)
     for r in range(4):
         assert got[r]["hashes"] == [ref] * 600, r
+
+
+@pytest.mark.root
+def test_a_rank_whose_plane_0_is_down_joins_over_another() -> None:
+    """mrc-run gives every rank rank 0's plane addresses (MRC_MASTER_ADDRS): with h1's
+    plane-0 cable down before the run, rank 1 cannot reach MASTER_ADDR and joins over
+    another plane; the group forms, and every result is bit-identical. Before, rank 1
+    could not join ("could not reach the rendezvous of rank 0") and the job failed."""
+    ref = reference_sha()
+    with fabric_up(FABRIC) as fab:
+        fab.fail("h1-p0l0")
+        got, _ = run_loop(fab, 3)
+    for r in range(4):
+        assert got[r]["hashes"] == [ref] * 3, r

@@ -84,6 +84,9 @@ class Communicator(Collectives):
     own routing picks the spine). SRH packets lose UDP GSO, so "planes" forwards about a
     third of the packets: on the loaded 4-host fabric 64 MiB all_reduce busbw 1.9-3.1
     Gbit/s against 1.2-2.0 (docs/architecture.md). MRC_ROUTES sets it in from_env().
+    rendezvous_addrs: rank 0's other addresses (its other planes), tried in turn with the
+    unique id's when that cannot be reached; MRC_MASTER_ADDRS in from_env() (mrc-run sets
+    it on a fabric).
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class Communicator(Collectives):
         timeout: float = 60.0,
         endpoint: dict[str, Any] | None = None,
         routes: str = "table",
+        rendezvous_addrs: Sequence[str] = (),
     ) -> None:
         self.rank, self.size = _check_rank(rank, size)
         if routes not in ("table", "planes"):
@@ -131,7 +135,7 @@ class Communicator(Collectives):
                     # Links on rank 0's other planes: a pulled cable under the rendezvous'
                     # own connection must not silence a healthy rank (rendezvous.py).
                     self._server.add_links([addr for addr, _ in self.endpoint.planes])
-            self._client = RendezvousClient(self.uid, self.timeout)
+            self._client = RendezvousClient(self.uid, self.timeout, rendezvous_addrs)
             infos = self._client.join(self.rank, self.size, self._info())
             self._client.start_monitor(self._on_failed, self._on_closed, self._released.set)
             self._take_table(infos)
@@ -216,10 +220,13 @@ class Communicator(Collectives):
 
         def connect(peer: int) -> None:
             info = infos[peer]
-            addr, port = info["planes"][0], int(info["port"])
+            # Every plane of the peer at once (the first to answer carries the set-up):
+            # a pulled cable on one does not keep the pair apart.
+            addrs, port = list(info["planes"]), int(info["port"])
+            addr = ", ".join(addrs)
             try:
                 self.peers[peer] = self.endpoint.connect(
-                    addr,
+                    addrs,
                     port,
                     timeout=max(0.1, deadline - time.monotonic()),
                     paths=self._paths_to(peer),
@@ -416,7 +423,7 @@ class Communicator(Collectives):
     def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> Communicator:
         """A communicator from the variables a launcher sets (see launch_env())."""
         cfg = launch_env(os.environ if env is None else env)
-        for key in ("planes", "fabric", "host", "timeout"):
+        for key in ("planes", "fabric", "host", "timeout", "rendezvous_addrs"):
             if key in cfg and key not in kwargs:
                 kwargs[key] = cfg[key]
         routes = (os.environ if env is None else env).get("MRC_ROUTES")
@@ -488,7 +495,8 @@ def rendezvous_port(env: Mapping[str, str]) -> int:
 
 def launch_env(env: Mapping[str, str]) -> dict[str, Any]:
     """What from_env() builds the communicator from: rank, size, unique_id and any of
-    planes (MRC_PLANES), fabric (MRC_FABRIC), host (MRC_HOST), timeout (MRC_TIMEOUT)."""
+    planes (MRC_PLANES), fabric (MRC_FABRIC), host (MRC_HOST), timeout (MRC_TIMEOUT),
+    rendezvous_addrs (MRC_MASTER_ADDRS, comma-separated)."""
     for rank_var, size_var, _who in RANK_VARS:
         if rank_var in env and size_var in env:
             rank, size = _int_var(env, rank_var), _int_var(env, size_var)
@@ -512,6 +520,10 @@ def launch_env(env: Mapping[str, str]) -> dict[str, Any]:
         cfg["host"] = env["MRC_HOST"]
     if env.get("MRC_PLANES"):
         cfg["planes"] = env["MRC_PLANES"]
+    if env.get("MRC_MASTER_ADDRS"):  # rank 0's other addresses (mrc-run: its planes)
+        cfg["rendezvous_addrs"] = [
+            a.strip() for a in env["MRC_MASTER_ADDRS"].split(",") if a.strip()
+        ]
     if env.get("MRC_TIMEOUT"):
         try:
             cfg["timeout"] = float(env["MRC_TIMEOUT"])

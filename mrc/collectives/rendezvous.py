@@ -41,7 +41,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,8 +208,12 @@ class RendezvousServer:
                 continue
             family = socket.AF_INET6 if ":" in addr else socket.AF_INET
             ls = socket.socket(family, socket.SOCK_STREAM)
+            ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                ls.bind((addr, 0))
+                try:  # the rendezvous' own port, where a rank can also join (alternates)
+                    ls.bind((addr, self.uid.port))
+                except OSError:
+                    ls.bind((addr, 0))
                 ls.listen(256)
             except OSError:
                 ls.close()
@@ -481,9 +485,13 @@ _RANK0_EXITED = "rank 0 exited or lost its rendezvous connection without close()
 class RendezvousClient:
     """A rank's side: join, then a monitor thread that beats and reports failures."""
 
-    def __init__(self, uid: UniqueId, timeout: float) -> None:
+    def __init__(self, uid: UniqueId, timeout: float, alternates: Sequence[str] = ()) -> None:
+        """alternates: other addresses of the server (rank 0's other planes), tried in turn
+        with the id's own when it cannot be reached (a rank whose plane-0 cable is down)."""
         self.uid = uid
         self.timeout = timeout
+        self._addrs = [uid.addr, *(a for a in alternates if a != uid.addr)]
+        self._joined_addr = uid.addr
         self._lock = threading.Lock()  # sendall from the monitor and the caller
         self._sock = self._connect(time.monotonic() + timeout)
         self._socks = [self._sock]  # the join's connection, then the links to the others
@@ -533,19 +541,24 @@ class RendezvousClient:
 
     def _connect(self, deadline: float) -> socket.socket:
         # Rank 0 may start its server after the others start (from_env): retry refusals.
+        # With alternates, each attempt is short, so an unreachable one costs a second.
         delay, last = 0.02, "no attempt"
         while True:
-            try:
-                left = max(0.1, deadline - time.monotonic())
-                sock = socket.create_connection((self.uid.addr, self.uid.port), timeout=left)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                return sock
-            except OSError as e:
-                last = e.strerror or str(e)
+            for addr in self._addrs:
+                try:
+                    left = max(0.1, deadline - time.monotonic())
+                    if len(self._addrs) > 1:
+                        left = min(left, 1.0)
+                    sock = socket.create_connection((addr, self.uid.port), timeout=left)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self._joined_addr = addr
+                    return sock
+                except OSError as e:
+                    last = e.strerror or str(e)
             if time.monotonic() + delay > deadline:
                 raise CollectiveError(
-                    f"could not reach the rendezvous of rank 0 at {self.uid.addr} port "
-                    f"{self.uid.port} within {self.timeout:g} s ({last}): is rank 0 running?",
+                    f"could not reach the rendezvous of rank 0 at {' or '.join(self._addrs)} "
+                    f"port {self.uid.port} within {self.timeout:g} s ({last}): is rank 0 running?",
                     rank=0,
                 )
             time.sleep(delay)  # back-off between connection attempts, not a sync
@@ -607,7 +620,10 @@ class RendezvousClient:
                     rank=0,
                 )
             if reply["op"] == "table":
-                self._links = [(str(a), int(p)) for a, p in reply.get("links", [])]
+                links = [(str(a), int(p)) for a, p in reply.get("links", [])]
+                if self._joined_addr != self.uid.addr:  # joined over an alternate
+                    links = [(self.uid.addr, self.uid.port), *links]
+                self._links = [(a, p) for a, p in links if a != self._joined_addr]
                 return list(reply["infos"])
             if reply["op"] == "failed":
                 raise CollectiveError(
