@@ -25,10 +25,10 @@ healthy rank and, after `timeout`, fail the whole group, while the transport car
 over the other planes. So the server also listens on rank 0's other plane addresses
 (add_links; the table lists them) and every rank opens a second connection to each
 ({"op": "attach", token, rank} after the greeting). Every message goes out on every link
-of a rank, and any of them keeps it alive; a link whose path breaks (a socket error other
-than a reset) is dropped alone. A rank is lost when all its links are silent for
-`timeout`, or at once when one of them closes (its process closed them: EOF or reset)
-without a "bye". Duplicates are harmless: every message is idempotent on both sides.
+of a rank, and any of them keeps it alive; a link that breaks or closes is dropped alone.
+A rank is lost when all its connections are silent for `timeout`, or at once when its
+first one closes (its process closed it: EOF or a reset) without a "bye", as before the
+links. Duplicates are harmless: every message is idempotent on both sides.
 """
 
 from __future__ import annotations
@@ -278,10 +278,9 @@ class RendezvousServer:
                 return self._drop(peer)
             data = b""
         if not data:
-            self._lost(
-                peer.owner or peer, "exited or lost its rendezvous connection without close()"
-            )
-            self._drop(peer)
+            if peer.owner is not None:  # a link: the rank is judged by its first connection
+                return self._drop(peer)
+            self._lost(peer, "exited or lost its rendezvous connection without close()")
             return
         (peer.owner or peer).last_seen = time.monotonic()
         peer.buf += data
@@ -655,6 +654,8 @@ class RendezvousClient:
             try:
                 while not self._closed:
                     with self._lock:  # links the attacher added since
+                        if self._closed:
+                            return
                         for sock in self._socks:
                             if sock not in bufs:
                                 sock.settimeout(None)
@@ -678,6 +679,11 @@ class RendezvousClient:
                                     self._drop_link(sock)
                                     continue
                                 data = b""
+                            if not data and sock is not self._sock:  # a link: only it
+                                sel.unregister(sock)
+                                del bufs[sock]
+                                self._drop_link(sock)
+                                continue
                             if not data:  # rank 0's process closed it
                                 if self._closed:
                                     return
@@ -719,6 +725,9 @@ class RendezvousClient:
                             "(stopped or cut off)",
                         )
                         return
+            except (OSError, ValueError):
+                if not self._closed:  # close() shut the sockets under select(): expected
+                    raise
             finally:
                 sel.close()
 
