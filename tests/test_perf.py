@@ -183,6 +183,23 @@ def test_local_several_connections(mode: str) -> None:
     assert json_after_table(r.stdout)["options"]["qps"] == 3
 
 
+def test_send_bw_server_waits_on_a_connection_still_owed_data() -> None:
+    """Before "done", a connection that got all its SENDs keeps RECVs posted ahead of the
+    data; after "done", the server must block on a connection still owed a SEND, not on
+    those. It blocked on connection 0's spare RECV for the whole timeout: 5 runs of 200 of
+    test_local_several_connections[send_bw] failed so with both cores busy, 0 of 200 now."""
+    from collections import deque
+
+    from mrc.perf.runner import _oldest_owed
+
+    spare0, first1, second1 = object(), object(), object()
+    posted = [deque([spare0]), deque([first1, second1])]
+    assert _oldest_owed(posted, [6, 5], None) is spare0  # before "done": any, in order
+    assert _oldest_owed(posted, [6, 5], [6, 6]) is first1
+    assert _oldest_owed(posted, [5, 6], [6, 6]) is spare0
+    assert _oldest_owed(posted, [6, 6], [6, 6]) is None
+
+
 def test_all_sizes_send_bw() -> None:
     """-a: every size from 2 B to 8 MiB, each with its own tag; the data of each checked."""
     r = run(["send_bw", "--local", "--nplanes", "2", "-a", "-n", "4", "--verify"])

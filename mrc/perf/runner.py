@@ -472,21 +472,35 @@ def _send_bw_server(s: Session, step: int, size: int, mr: mrc.MemoryRegion) -> d
                         post(c)
         if done is not None and all(got[c] >= done["sent"][c] for c in range(nq)):
             return done
-        waiting = [dq for dq in posted if dq]
+        oldest = _oldest_owed(posted, got, done["sent"] if done is not None else None)
         try:
             if done is None:
                 # Block on the oldest RECV; wake now and then to look for "done".
-                if waiting:
-                    waiting[0][0].wait(0.05)
+                if oldest is not None:
+                    oldest.wait(0.05)
                 else:
                     s.control().wait(0.05)
             else:
-                waiting[0][0].wait(op_timeout(opts))
+                assert oldest is not None  # some connection is still owed data
+                oldest.wait(op_timeout(opts))
         except mrc.TimeoutError:
             if done is not None:
                 raise PerfError("the client's SENDs did not all arrive") from None
         except mrc.MrcError as e:
             raise PerfError(f"receive failed: {e}") from e
+
+
+def _oldest_owed(
+    posted: list[deque[mrc.Operation]], got: list[int], sent: list[int] | None
+) -> mrc.Operation | None:
+    """The RECV the send_bw server blocks on: the oldest of the first connection still
+    owed data. Before "done" (sent is None) every connection keeps RECVs ahead of the
+    data, so one that got all its SENDs early holds RECVs that never complete; blocking
+    on those once "done" said all was sent stalled the run for the whole timeout."""
+    for c, dq in enumerate(posted):
+        if dq and (sent is None or got[c] < sent[c]):
+            return dq[0]
+    return None
 
 
 def _lat_server(
