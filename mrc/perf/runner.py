@@ -485,7 +485,14 @@ def _send_bw_server(s: Session, step: int, size: int, mr: mrc.MemoryRegion) -> d
                 oldest.wait(op_timeout(opts))
         except mrc.TimeoutError:
             if done is not None:
-                raise PerfError("the client's SENDs did not all arrive") from None
+                owed = ", ".join(
+                    f"connection {c} got {got[c]} of {n}"
+                    for c, n in enumerate(done["sent"])
+                    if got[c] < n
+                )
+                raise PerfError(
+                    f"the client's SENDs did not all arrive within {op_timeout(opts):g} s: {owed}"
+                ) from None
         except mrc.MrcError as e:
             raise PerfError(f"receive failed: {e}") from e
 
