@@ -422,9 +422,16 @@ def set_loss(prefix: str, link_name: str, percent: float) -> State:
     for name, pct in sorted(state.loss.items()):
         sw, dev = loss_switch(fabric, fabric.link(name))
         if sw == switch:
+            # 100 %: every packet (nft's numgen draws 0..9999, so "< 10000" is refused):
+            # a black hole with the link up, as a gray failure looks.
+            draw = (
+                ""
+                if round(pct * 100) >= 10000
+                else f"numgen random mod 10000 < {round(pct * 100)} "
+            )
             rules += [
-                f'    iifname "{dev}" numgen random mod 10000 < {round(pct * 100)} counter drop',
-                f'    oifname "{dev}" numgen random mod 10000 < {round(pct * 100)} counter drop',
+                f'    iifname "{dev}" {draw}counter drop',
+                f'    oifname "{dev}" {draw}counter drop',
             ]
     script = f"table inet {NFT_TABLE}\ndelete table inet {NFT_TABLE}\n"
     if rules:
