@@ -5,6 +5,10 @@
                                       back to equal (at most MAX); rank 0 prints each
                                       operation's schedule as it goes, for the test to pull
                                       and heal the cable at the right moments
+    resilient_worker.py until MAX     all_reduces until the file MRC_TEST_STOP_FILE exists
+                                      (at most MAX; the ranks agree on it after each
+                                      operation with a 1-element max all_reduce); rank 0
+                                      prints each operation as "pull" does
 
 Every rank all-reduces the same input every time (a function of its rank, of
 MRC_TEST_COUNT elements, default COUNT; every other operation with async_op=True, so on
@@ -45,6 +49,8 @@ def main() -> None:
     planes: dict[int, list[list[int]]] = {}
     went_resilient = False
     ok = True
+    stop_file = os.environ.get("MRC_TEST_STOP_FILE", "")
+    flag = np.zeros(1, np.int32)
     for i in range(limit):
         if i % 2:
             # Async: the shares are chosen (and the exchange run) on the worker thread.
@@ -57,11 +63,16 @@ def main() -> None:
         if (not schedules or schedules[-1] != name) and st["agreed"] is not None:
             planes[i] = st["agreed"]["planes_up"]
         schedules.append(name)
-        if comm.rank == 0 and mode in ("heal", "pull"):
+        if comm.rank == 0 and mode in ("heal", "pull", "until"):
             print(json.dumps({"op": i, "schedule": name}), flush=True)
         went_resilient = went_resilient or name == "resilient"
         if mode == "heal" and went_resilient and name == "equal":
             break
+        if mode == "until":
+            flag[0] = os.path.exists(stop_file)
+            comm.all_reduce(flag, op="max")
+            if flag[0]:
+                break
     else:
         ok = mode in ("loop", "pull")
     result = {

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -471,3 +472,97 @@ def test_a_communicator_of_one() -> None:
             assert x.tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(mrc.CollectiveError, match="closed"):
         comm.check_failure()
+
+
+def _joined_pair(timeout: float) -> tuple[rendezvous.RendezvousServer, list[Any], list[Any]]:
+    """A rendezvous on 127.0.0.1 with a link listener on 127.0.0.2, two ranks joined and
+    watching (threads of this process)."""
+    server = rendezvous.RendezvousServer(UniqueId("127.0.0.1", 0, "t" * 32))
+    server.add_links(["127.0.0.2"])
+    clients = [rendezvous.RendezvousClient(server.uid, timeout) for _ in range(2)]
+    joins = [threading.Thread(target=c.join, args=(r, 2, {})) for r, c in enumerate(clients)]
+    for t in joins:
+        t.start()
+    for t in joins:
+        t.join(timeout)
+    events: list[Any] = []
+    for c in clients:
+        c.start_monitor(
+            lambda rank, msg: events.append((rank, msg)), lambda rank: None, lambda: None
+        )
+    return server, clients, events
+
+
+def _links_to(client: Any, addr: str) -> list[Any]:
+    with client._lock:
+        return [s for s in client._socks if client._where.get(s, ("",))[0] == addr]
+
+
+def _until(cond: Any, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)  # polling a condition, with a deadline
+    return True
+
+
+def test_a_link_that_went_is_opened_again_and_a_quiet_group_opens_none() -> None:
+    """rendezvous.py, "A link is kept": the server ends rank 1's link (as a path that
+    broke does); within a few heartbeat intervals rank 1 has a fresh link to that
+    address (before, it stayed without one for the communicator's life). A group whose
+    paths all work keeps its connections: no link is opened or retired."""
+    timeout = 1.0
+    interval = rendezvous.heartbeat_interval(timeout)
+    server, clients, events = _joined_pair(timeout)
+    try:
+        assert _until(lambda: all(len(_links_to(c, "127.0.0.2")) == 1 for c in clients), 5)
+        quiet = [set(c._socks) for c in clients]
+        time.sleep(10 * interval)  # ten heartbeats of nothing happening: the check itself
+        assert [set(c._socks) for c in clients] == quiet and not events
+
+        (old,) = _links_to(clients[1], "127.0.0.2")
+        mine = [p for p in list(server._peers) if p.owner is not None and p.rank == 1]
+        assert len(mine) == 1
+        mine[0].sock.shutdown(socket.SHUT_RDWR)
+        assert _until(
+            lambda: _links_to(clients[1], "127.0.0.2") not in ([], [old]),
+            (rendezvous.STALE_BEATS + 3) * interval,
+        )
+        assert _until(
+            lambda: (
+                [p.rank for p in list(server._peers) if p.owner is not None] in ([0, 1], [1, 0])
+            ),
+            5 * interval,
+        )
+        assert not events
+    finally:
+        for c in clients:
+            c.close({"op": "bye"})
+        server.stop()
+
+
+def test_a_full_connection_is_not_waited_on() -> None:
+    """rendezvous._offer queues a whole message or none (False) without blocking: a
+    heartbeat for a path down for minutes cannot stall the server or the rank."""
+    a, b = socket.socketpair()
+    try:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sent = 0
+        while rendezvous._offer(a, {"op": "hb"}):
+            sent += 1
+            assert sent < 1_000_000
+        b.setblocking(False)
+        got = b""
+        while True:
+            try:
+                chunk = b.recv(65536)
+            except BlockingIOError:
+                break
+            got += chunk
+        lines = got.split(b"\n")
+        assert sent > 0 and lines[:sent] == [b'{"op": "hb"}'] * sent
+        assert len(b"\n".join(lines[sent:])) < len(b'{"op": "hb"}\n')  # at most part of one
+    finally:
+        a.close()
+        b.close()

@@ -44,8 +44,10 @@ def reference_sha(count: int | None = None) -> str:
     return hashlib.sha256(acc.tobytes()).hexdigest()
 
 
-def launch(fab: object, *worker_args: str, timeout: float = 30) -> subprocess.Popen[str]:
-    env = {**os.environ, "MRC_RESILIENT_EXCHANGE_BYTES": "0"}
+def launch(
+    fab: object, *worker_args: str, timeout: float = 30, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    env = {**os.environ, "MRC_RESILIENT_EXCHANGE_BYTES": "0", **(env or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "mrc.run", "-n", "4", "--fabric", FABRIC,
          "--name", fab.prefix, "--timeout", str(timeout), "--", sys.executable, WORKER,
@@ -258,6 +260,50 @@ def test_the_rendezvous_plane_pulled_mid_loop_keeps_the_group() -> None:
     got = results(lines)
     for r in range(4):
         assert got[r]["hashes"] == [ref] * 600, r
+
+
+@pytest.mark.root
+def test_a_plane_0_black_hole_healed_then_the_others_pulled_keeps_the_group(
+    tmp_path: Path,
+) -> None:
+    """h0's plane-0 cable (rank 0's: every rank's first rendezvous connection ends there)
+    drops every packet for 18 s with its link up (a gray failure: no ICMP error comes
+    back), is fixed, then h0's three other cables are pulled. TCP backs off while its
+    packets vanish (its retransmission timeout doubles: tries at 0.2, 0.6, 1.4, ... 12.6,
+    25.4 s for a 200 ms timeout; 18 s falls between the tries for timeouts of 200-280
+    ms), so the other ranks' first connections stayed silent 7 s or more after the fix;
+    with only plane 0 left, the group failed one timeout after the pull ("rank 1 sent
+    nothing for 2.x s") while the transport carried on. A rank now opens a fresh
+    link to an address whose connections went silent (rendezvous.py, "A link is kept"):
+    the group lives on, every result bit-identical."""
+    timeout, ref = 2.0, reference_sha()
+    stop = tmp_path / "stop"
+    with fabric_up(FABRIC) as fab:
+        p = launch(fab, "until", "100000", timeout=timeout, env={"MRC_TEST_STOP_FILE": str(stop)})
+        at: dict[str, float] = {}
+
+        def on_op(ev: dict[str, Any]) -> None:
+            now = at["last"] = time.monotonic()
+            if ev["op"] == 3 and "holed" not in at:
+                fab.loss("h0-p0l0", 100)
+                at["holed"] = time.monotonic()
+            elif "holed" in at and "fixed" not in at and now - at["holed"] > 18:
+                fab.loss("h0-p0l0", 0)
+                at["fixed"] = time.monotonic()
+            elif "fixed" in at and "cut" not in at and now - at["fixed"] > 1:
+                for plane in (1, 2, 3):
+                    fab.fail(f"h0-p{plane}l0")
+                at["cut"] = time.monotonic()
+            elif "cut" in at and now - at["cut"] > 3 * timeout:
+                stop.touch()
+
+        lines = follow(p, on_op)
+    assert p.returncode == 0, "".join(lines[-40:])
+    assert "cut" in at and at["last"] - at["cut"] > 2 * timeout, at  # outlived it, twice over
+    got = results(lines)
+    n = len(got[0]["hashes"])
+    for r in range(4):
+        assert got[r]["hashes"] == [ref] * n, r
 
 
 @pytest.mark.root

@@ -29,6 +29,15 @@ of a rank, and any of them keeps it alive; a link that breaks or closes is dropp
 A rank is lost when all its connections are silent for `timeout`, or at once when its
 first one closes (its process closed it: EOF or a reset) without a "bye", as before the
 links. Duplicates are harmless: every message is idempotent on both sides.
+
+A link is kept, not only opened: the server beats on every connection, so a rank's
+connections to an address that are all silent for STALE_BEATS intervals have a broken
+path, or one that came back while TCP backs off (its retransmission timeout doubles while
+the path is down: after 6 s down, the next try is about 6 s after the cable is back, 2
+minutes after a long outage). Every interval the rank opens a fresh link to such an
+address (a new connection's SYN goes out at once) and retires the silent links; the
+first connection is never closed (its EOF is the rank's death), only joined by a fresh
+link. So a plane that flaps, or fails and heals, gives its link back within an interval.
 """
 
 from __future__ import annotations
@@ -54,6 +63,9 @@ _MAX_LINE = 1 << 20  # a join carries a few addresses; a longer line is not one 
 # (rank 0 could not bind it, and joins whoever listens there) is found out this soon,
 # instead of every rank waiting the whole timeout for an answer that never comes.
 GREETING_S = 10.0
+# The server beats every interval on every connection (up to half an interval late): a
+# connection silent for this many intervals has lost its path, for now.
+STALE_BEATS = 3
 
 
 def heartbeat_interval(timeout: float) -> float:
@@ -133,7 +145,20 @@ def try_serve(uid: UniqueId) -> RendezvousServer | None:
 
 
 def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
+    """A message of the group's forming (the join, the table: large with many ranks)."""
     sock.sendall((json.dumps(msg) + "\n").encode())
+
+
+def _offer(sock: socket.socket, msg: dict[str, Any]) -> bool:
+    """A small message of the group's life, queued whole without blocking. False: the
+    connection cannot take it, its send buffer full of heartbeats for a path down for
+    minutes (TCP gives up after about 15); nothing more may go on it (part of a line may
+    be in it). A blocking write there would stall every rank's messages behind it."""
+    data = (json.dumps(msg) + "\n").encode()
+    try:
+        return sock.send(data, socket.MSG_DONTWAIT) == len(data)
+    except BlockingIOError:
+        return False
 
 
 class PortInUse(UsageError):
@@ -157,6 +182,7 @@ class _Peer:
         self.owner: _Peer | None = None  # a link: the rank's record
         self.last_seen = time.monotonic()  # the record's: any of the rank's links
         self.gone = False  # said bye or failed: no more heartbeats expected
+        self.jammed = False  # a record whose socket cannot take more (_offer): not written
         self.info: dict[str, Any] = {}
 
 
@@ -235,8 +261,10 @@ class RendezvousServer:
     # --- the loop ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        next_beat = time.monotonic()
+        last_beat = 0.0
         while not self._stopping:
+            # The group's timeout (so the interval) arrives with the first join: the
+            # beats keep to it from then on, the first one after the table included.
             interval = heartbeat_interval(self._timeout)
             for key, _ in self._sel.select(timeout=interval / 2):
                 if key.data is None:
@@ -249,8 +277,8 @@ class RendezvousServer:
                 else:
                     self._read(key.data)
             now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + interval
+            if now >= last_beat + interval:
+                last_beat = now
                 self._beat(now)
         self._shutdown()
 
@@ -425,18 +453,27 @@ class RendezvousServer:
 
     def _send_error(self, peer: _Peer, msg: dict[str, Any]) -> None:
         try:
-            _send(peer.sock, msg)
+            _offer(peer.sock, msg)
         except OSError:
             pass
         self._drop(peer)
 
     def _broadcast(self, msg: dict[str, Any], skip: _Peer | None = None) -> None:
-        """To every connection of every joined rank but skip's (a record: all its links)."""
+        """To every connection of every joined rank but skip's (a record: all its links).
+        The table (once, as the group forms) is sent whole; the rest offered (_offer): a
+        link that cannot take it goes, a record is no longer written to (closing it would
+        say its rank died) and the rank's fresh links carry on."""
         for p in list(self._peers):
-            if p.rank is None or (skip is not None and (p is skip or p.owner is skip)):
+            if p.rank is None or p.jammed or (skip is not None and (p is skip or p.owner is skip)):
                 continue
             try:
-                _send(p.sock, msg)
+                if msg["op"] == "table":
+                    _send(p.sock, msg)
+                elif not _offer(p.sock, msg):
+                    if p.owner is not None:
+                        self._drop(p)
+                    else:
+                        p.jammed = True
             except OSError:
                 pass  # its death shows up as EOF on the next read
 
@@ -474,6 +511,41 @@ class RendezvousServer:
         self._wake_w.close()
 
 
+def _dial(
+    targets: list[tuple[str, int]], wait: float
+) -> list[tuple[socket.socket, tuple[str, int]]]:
+    """Connect to every target at once, for at most `wait` seconds in all (a target whose
+    path is down costs no more than the others): the connected sockets, blocking again."""
+    pending: dict[socket.socket, tuple[str, int]] = {}
+    for addr, port in targets:
+        sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+        sock.setblocking(False)
+        if sock.connect_ex((addr, port)) not in (0, errno.EINPROGRESS):
+            sock.close()  # no route now (the cable is down): the next interval tries again
+            continue
+        pending[sock] = (addr, port)
+    done: list[tuple[socket.socket, tuple[str, int]]] = []
+    deadline = time.monotonic() + wait
+    with selectors.DefaultSelector() as sel:
+        for sock in pending:
+            sel.register(sock, selectors.EVENT_WRITE)
+        while pending and (left := deadline - time.monotonic()) > 0:
+            for key, _ in sel.select(left):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                sel.unregister(sock)
+                target = pending.pop(sock)
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                    sock.setblocking(True)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    done.append((sock, target))
+                else:
+                    sock.close()
+    for sock in pending:
+        sock.close()
+    return done
+
+
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks) if ranks else "none"
 
@@ -493,8 +565,19 @@ class RendezvousClient:
         self._joined_addr = uid.addr
         self._lock = threading.Lock()  # sendall from the monitor and the caller
         self._sock = self._connect(time.monotonic() + timeout)
-        self._socks = [self._sock]  # the join's connection, then the links to the others
+        self._socks = [self._sock]  # the join's connection, then the links
         self._links: list[tuple[str, int]] = []  # the server's other addresses (the table)
+        # Per connection: the server address it goes to, when it was opened, when the
+        # server was last heard on it (the monitor's reads); links the keeper retired,
+        # for the monitor to close (the one thread that selects on them).
+        self._where: dict[socket.socket, tuple[str, int]] = {
+            self._sock: (self._joined_addr, uid.port)
+        }
+        self._born: dict[socket.socket, float] = {self._sock: time.monotonic()}
+        self._heard: dict[socket.socket, float] = {}
+        self._retired: list[socket.socket] = []
+        self._jammed: set[socket.socket] = set()  # the first connection, if it jammed
+        self._stop = threading.Event()
         self._rank: int | None = None
         self._buf = b""
         self._closed = False
@@ -587,13 +670,24 @@ class RendezvousClient:
         return msg
 
     def send(self, msg: dict[str, Any]) -> None:
-        """On every link: any one of them that gets through is enough."""
+        """On every link: any one of them that gets through is enough. The join is sent
+        whole; the rest offered (_offer): a link that cannot take it is retired, the
+        first connection no longer written to (closing it would say this rank died)."""
         with self._lock:
             if self._closed:
                 return
-            for sock in self._socks:
+            for sock in list(self._socks):
+                if sock in self._jammed:
+                    continue
                 try:
-                    _send(sock, msg)
+                    if msg["op"] == "join":
+                        _send(sock, msg)
+                    elif not _offer(sock, msg):
+                        if sock is self._sock:
+                            self._jammed.add(sock)
+                        else:
+                            self._socks.remove(sock)
+                            self._retired.append(sock)
                 except OSError:
                     pass  # the monitor sees the server or the link go
 
@@ -623,6 +717,7 @@ class RendezvousClient:
                 if self._joined_addr != self.uid.addr:  # joined over an alternate
                     links = [(self.uid.addr, self.uid.port), *links]
                 self._links = [(a, p) for a, p in links if a != self._joined_addr]
+                self._heard[self._sock] = time.monotonic()
                 return list(reply["infos"])
             if reply["op"] == "failed":
                 raise CollectiveError(
@@ -653,9 +748,16 @@ class RendezvousClient:
             bufs: dict[socket.socket, bytes] = {}
             try:
                 while not self._closed:
-                    with self._lock:  # links the attacher added since
+                    with self._lock:  # links the keeper added or retired since
                         if self._closed:
                             return
+                        retired, self._retired = self._retired, []
+                        for sock in retired:
+                            if sock in bufs:
+                                sel.unregister(sock)
+                                del bufs[sock]
+                            self._forget(sock)
+                            sock.close()
                         for sock in self._socks:
                             if sock not in bufs:
                                 sock.settimeout(None)
@@ -692,6 +794,7 @@ class RendezvousClient:
                                     return
                                 on_failed(0, _RANK0_EXITED)
                                 return
+                            self._heard[sock] = time.monotonic()
                             bufs[sock] += data
                     for sock, buf in list(bufs.items()):
                         while b"\n" in buf:
@@ -729,44 +832,79 @@ class RendezvousClient:
                 if not self._closed:  # close() shut the sockets under select(): expected
                     raise
             finally:
+                self._stop.set()  # nothing hears the links now: keeping them is moot
                 sel.close()
 
-        if self._links:
-            threading.Thread(target=self._attach, name="mrc-comm-links", daemon=True).start()
         self._monitor = threading.Thread(target=run, name="mrc-comm-monitor", daemon=True)
         self._monitor.start()
+        threading.Thread(target=self._keep_links, name="mrc-comm-links", daemon=True).start()
 
-    def _attach(self) -> None:
-        """Open a link to each of the server's other addresses (after the table): a
-        connection on another plane that keeps this rank heard when the join's plane
-        fails. One that cannot connect is left out."""
-        for addr, port in self._links:
-            try:
-                sock = socket.create_connection((addr, port), timeout=min(2.0, self.timeout))
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                _send(sock, {"op": "attach", "token": self.uid.token, "rank": self._rank})
-            except OSError:
-                continue
+    def _keep_links(self) -> None:
+        """Every interval: a link to each of the server's addresses (the join's and the
+        table's) on which no connection was heard for STALE_BEATS intervals: at the
+        start, one to each other plane, then a fresh one where a plane broke or came back
+        (module doc, "A link is kept"). The silent links go; the first connection stays."""
+        interval = heartbeat_interval(self.timeout)
+        stale = STALE_BEATS * interval
+        targets = [(self._joined_addr, self.uid.port), *self._links]
+        while not self._stop.is_set():
+            now = time.monotonic()
+            dial = []
             with self._lock:
                 if self._closed:
-                    sock.close()
                     return
-                self._socks.append(sock)
+                for target in targets:
+                    mine = [s for s in self._socks if self._where.get(s) == target]
+                    if any(
+                        now - self._heard.get(s, self._born[s]) < stale
+                        for s in mine
+                        if s not in self._jammed
+                    ):
+                        continue  # heard lately, or too new to tell
+                    for sock in mine:
+                        if sock is not self._sock:
+                            self._socks.remove(sock)
+                            self._retired.append(sock)
+                    dial.append(target)
+            # Half a second at least for a connect: a short timeout on a busy host would
+            # give up on connections that were only slow.
+            for sock, target in _dial(dial, max(interval, 0.5)):
+                try:
+                    _offer(sock, {"op": "attach", "token": self.uid.token, "rank": self._rank})
+                except OSError:
+                    sock.close()
+                    continue
+                with self._lock:
+                    if self._closed:
+                        sock.close()
+                        return
+                    self._where[sock], self._born[sock] = target, time.monotonic()
+                    self._socks.append(sock)
+            self._stop.wait(interval)
 
     def _drop_link(self, sock: socket.socket) -> None:
+        """A link whose read failed (the monitor's): only it goes."""
         with self._lock:
             if sock in self._socks:
                 self._socks.remove(sock)
+            self._forget(sock)
         sock.close()
+
+    def _forget(self, sock: socket.socket) -> None:
+        self._where.pop(sock, None)
+        self._born.pop(sock, None)
+        self._heard.pop(sock, None)
 
     def close(self, message: dict[str, Any] | None = None) -> None:
         if message is not None:
             self.send(message)
+        self._stop.set()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            socks = list(self._socks)
+            socks = [*self._socks, *self._retired]
+            self._retired = []
         for sock in socks:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
