@@ -41,6 +41,10 @@ def main() -> None:
     # The planner's INFO lines (new agreements, schedule switches) go to stderr: the test
     # reads them from mrc-run's output.
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    # As a launcher that sets only MASTER_ADDR (torchrun, Slurm) would: the fabric file
+    # must then give rank 0's other planes.
+    if os.environ.get("MRC_TEST_NO_MASTER_ADDRS"):
+        os.environ.pop("MRC_MASTER_ADDRS", None)
     comm = mrc.Communicator.from_env()
     x = data(comm.rank, int(os.environ.get("MRC_TEST_COUNT", COUNT)))
     out = np.empty_like(x)

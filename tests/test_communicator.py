@@ -24,8 +24,14 @@ import pytest
 
 import mrc
 from mrc.collectives import communicator, rendezvous
-from mrc.collectives.communicator import launch_env, loopback_planes, rendezvous_port
+from mrc.collectives.communicator import (
+    _server_planes,
+    launch_env,
+    loopback_planes,
+    rendezvous_port,
+)
 from mrc.collectives.rendezvous import UniqueId
+from mrc.routing import load_fabric
 
 WORKER = str(Path(__file__).with_name("comm_worker.py"))
 
@@ -152,6 +158,18 @@ def test_launch_env_mrc_run_variables_and_tokens() -> None:
     assert UniqueId.unpack(other["unique_id"]).token != UniqueId.unpack(cfgs[0]["unique_id"]).token
     assert UniqueId.unpack(cfgs[0]["unique_id"]).addr == "fd00::1"
     assert launch_env({**base, "RANK": "0", "MRC_PLANES": "2"})["planes"] == "2"
+
+
+def test_rank_0s_other_planes_come_from_the_fabric() -> None:
+    """Without MRC_MASTER_ADDRS (torchrun, Slurm), a fabric communicator joins over the
+    other planes of the host that owns the unique id's address, however it is spelt."""
+    fab = load_fabric(Path(__file__).resolve().parents[1] / "routing" / "4host-4plane.toml")
+    assert _server_planes(fab, "fd00::1") == ["fd00:1::1", "fd00:2::1", "fd00:3::1"]
+    assert _server_planes(fab, "fd00:2:0:1:0:0:0:1") == [
+        "fd00:0:0:1::1", "fd00:1:0:1::1", "fd00:3:0:1::1"
+    ]  # fmt: skip
+    assert _server_planes(fab, "fd00:9::1") == []  # not the fabric's
+    assert _server_planes(fab, "rank0.cluster") == []  # a name: left to the resolver
 
 
 @pytest.mark.parametrize(

@@ -85,8 +85,8 @@ def follow(p: subprocess.Popen[str], on_op: Callable[[dict[str, Any]], None]) ->
     return lines
 
 
-def run_loop(fab: object, n: int) -> tuple[dict[int, dict], str]:
-    p = launch(fab, "loop", str(n))
+def run_loop(fab: object, n: int, env: dict[str, str] | None = None) -> tuple[dict[int, dict], str]:
+    p = launch(fab, "loop", str(n), env=env)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0, out
     return results(out.splitlines(keepends=True)), out
@@ -307,14 +307,18 @@ def test_a_plane_0_black_hole_healed_then_the_others_pulled_keeps_the_group(
 
 
 @pytest.mark.root
-def test_a_rank_whose_plane_0_is_down_joins_over_another() -> None:
+@pytest.mark.parametrize("told", [True, False], ids=["MRC_MASTER_ADDRS", "from_the_fabric"])
+def test_a_rank_whose_plane_0_is_down_joins_over_another(told: bool) -> None:
     """mrc-run gives every rank rank 0's plane addresses (MRC_MASTER_ADDRS): with h1's
     plane-0 cable down before the run, rank 1 cannot reach MASTER_ADDR and joins over
     another plane; the group forms, and every result is bit-identical. Before, rank 1
-    could not join ("could not reach the rendezvous of rank 0") and the job failed."""
+    could not join ("could not reach the rendezvous of rank 0") and the job failed.
+    Without MRC_MASTER_ADDRS (a launcher that sets only MASTER_ADDR), the fabric file
+    names the other planes of the host that owns MASTER_ADDR."""
     ref = reference_sha()
     with fabric_up(FABRIC) as fab:
         fab.fail("h1-p0l0")
-        got, _ = run_loop(fab, 3)
+        env = {} if told else {"MRC_TEST_NO_MASTER_ADDRS": "1"}
+        got, _ = run_loop(fab, 3, env=env)
     for r in range(4):
         assert got[r]["hashes"] == [ref] * 3, r

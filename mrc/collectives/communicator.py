@@ -15,6 +15,7 @@ between the two hosts. The rendezvous connection stays open as the failure detec
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import threading
@@ -86,7 +87,8 @@ class Communicator(Collectives):
     Gbit/s against 1.2-2.0 (docs/architecture.md). MRC_ROUTES sets it in from_env().
     rendezvous_addrs: rank 0's other addresses (its other planes), tried in turn with the
     unique id's when that cannot be reached; MRC_MASTER_ADDRS in from_env() (mrc-run sets
-    it on a fabric).
+    it on a fabric). Default on a fabric: the other planes of the fabric host that owns the
+    unique id's address.
     """
 
     def __init__(
@@ -128,6 +130,8 @@ class Communicator(Collectives):
         self.host: str
 
         self._make_endpoint(planes, fabric, host, endpoint or {})
+        if not rendezvous_addrs and self._fabric is not None:
+            rendezvous_addrs = _server_planes(self._fabric, self.uid.addr)
         try:
             if self.rank == 0:
                 self._server = rendezvous.take_server(self.uid) or rendezvous.try_serve(self.uid)
@@ -430,6 +434,21 @@ class Communicator(Collectives):
         if routes and "routes" not in kwargs:
             kwargs["routes"] = routes
         return cls(cfg["rank"], cfg["size"], cfg["unique_id"], **kwargs)
+
+
+def _server_planes(fab: Fabric, addr: str) -> list[str]:
+    """The other plane addresses of the fabric host that owns `addr` (rank 0's host, when
+    the unique id names one of its planes), so a rank whose cable to that plane is down
+    joins over another one without being told (torchrun, Slurm: no MRC_MASTER_ADDRS)."""
+    try:
+        want = ipaddress.ip_address(addr)
+    except ValueError:
+        return []  # a host name: not a fabric address
+    for h in fab.hosts:
+        mine = [ipaddress.ip_address(a) for a in h.addrs]
+        if want in mine:
+            return [a for a, ip in zip(h.addrs, mine, strict=True) if ip != want]
+    return []
 
 
 def _check_rank(rank: int, size: int) -> tuple[int, int]:
