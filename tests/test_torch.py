@@ -261,6 +261,28 @@ def test_ddp_on_the_fabric_with_a_pulled_cable_is_bit_identical(tmp_path: Path) 
     assert healthy["sha256"] == failed["sha256"]
 
 
+@pytest.mark.root
+def test_subgroups_on_the_fabric_serve_on_their_own_rank_0s_plane(tmp_path: Path) -> None:
+    """A group whose rank 0 is global rank 1 or 2: that process is in another fabric host's
+    namespace, where MASTER_ADDR (h0's plane 0) is not its own. Its rendezvous serves on
+    its own first plane; before, new_group failed with "cannot start the rendezvous on
+    fd00::1 port 0: Cannot assign requested address"."""
+    from mrc.fabric.testing import fabric_up
+
+    fabric = ROOT / "tests" / "fabrics" / "4host-4plane-fast.toml"
+    with fabric_up(fabric) as fab:
+        p = subprocess.run(
+            [str(Path(sys.executable).parent / "mrc-run"), "-n", "4", "--fabric", str(fabric),
+             "--name", fab.prefix, "--timeout", "30", "--",
+             sys.executable, str(RANKS), "subgroups", str(tmp_path)],
+            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            timeout=180,
+        )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-4000:]
+    checks = [json.loads((tmp_path / f"rank{r}.json").read_text())["checks"] for r in range(4)]
+    assert checks == [1, 5, 7, 5], checks  # 2 dtypes in 0, 2, 3, 2 groups, then the world
+
+
 def test_contiguous_tensors_are_not_copied() -> None:
     """The numpy arrays handed to the communicator are the tensors' own memory."""
     import torch

@@ -1,8 +1,8 @@
 """One rank of a tests/test_torch.py scenario: `python tests/torch_ranks.py SCENARIO OUTDIR`.
 
-RANK, WORLD_SIZE and the rendezvous (MRC_TEST_INIT, an init_method URL) come from the
-environment. Each rank checks its own results and writes OUTDIR/rank<R>.json; a failed check
-exits non-zero with the reason on stderr.
+RANK, WORLD_SIZE and the rendezvous (MRC_TEST_INIT, an init_method URL; default env://,
+as under mrc-run) come from the environment. Each rank checks its own results and writes
+OUTDIR/rank<R>.json; a failed check exits non-zero with the reason on stderr.
 """
 
 from __future__ import annotations
@@ -396,6 +396,27 @@ def scenario_mismatch(out: Path) -> dict:
     raise AssertionError(f"rank {RANK}: all_reduce of {n} elements against other sizes succeeded")
 
 
+def scenario_subgroups(out: Path) -> dict:
+    """Groups whose rank 0 is not global rank 0 (on a fabric: another host, where
+    MASTER_ADDR is not an address of its own), then the world group again."""
+    ck = Check()
+    n = 1001
+    for case, members in enumerate(([1, 2], [1, 2, 3], [2, 3])):
+        g = dist.new_group(members)  # every rank takes part in new_group
+        if RANK not in members:
+            continue
+        for dtype in (torch.int64, torch.float32):
+            xs = [data(r, n, dtype, case) for r in members]
+            t = xs[members.index(RANK)].clone()
+            dist.all_reduce(t, group=g)
+            ck.exact(f"all_reduce over {members} {dtype}", t, rank_order(xs, "sum"))
+    xs = [data(r, n, torch.float32, 9) for r in range(SIZE)]
+    t = xs[RANK].clone()
+    dist.all_reduce(t)
+    ck.exact("all_reduce over the world", t, rank_order(xs, "sum"))
+    return {"checks": ck.n}
+
+
 def scenario_die(out: Path) -> dict:
     """The last rank exits mid-training; the others must fail within the group's timeout."""
     t = torch.ones(1000)
@@ -459,7 +480,7 @@ def main() -> None:
     timeout = float(os.environ.get("MRC_TEST_TIMEOUT", "30"))
     dist.init_process_group(
         "mrc",
-        init_method=os.environ["MRC_TEST_INIT"],
+        init_method=os.environ.get("MRC_TEST_INIT", "env://"),  # env://: mrc-run's
         rank=RANK,
         world_size=SIZE,
         timeout=timedelta(seconds=timeout),

@@ -81,6 +81,23 @@ def _communicator_kwargs(global_rank: int) -> dict[str, Any]:
     return kw
 
 
+def _rendezvous_addr(kw: dict[str, Any], global_rank: int) -> str | None:
+    """Where a group's rank 0 serves its rendezvous. Global rank 0: MASTER_ADDR (None:
+    get_unique_id's default). A subgroup's rank 0 is another process, often on another
+    host (a fabric host's namespace), where MASTER_ADDR is not an address of its own: it
+    serves on its own first plane (on loopback planes 127.0.0.1 is everyone's)."""
+    if global_rank == 0:
+        return None
+    if "fabric" in kw:
+        from mrc.routing import load_fabric
+
+        return load_fabric(kw["fabric"]).host(kw["host"]).addrs[0]
+    planes = kw.get("planes")
+    if isinstance(planes, str):  # MRC_PLANES: this process's addresses
+        return planes.split(",")[0].strip()
+    return None
+
+
 def create_process_group(
     store: dist.Store,
     rank: int,
@@ -95,8 +112,9 @@ def create_process_group(
     import mrc
 
     global_rank = global_ranks[rank] if global_ranks else rank
+    kw = _communicator_kwargs(global_rank)
     if rank == 0:
-        uid = mrc.get_unique_id()
+        uid = mrc.get_unique_id(_rendezvous_addr(kw, global_rank))
         store.set(_UID_KEY, uid)
     else:
         # a store get blocks until rank 0 has set it, for at most the store's timeout
@@ -104,7 +122,7 @@ def create_process_group(
     # MRC_TIMEOUT (mrc-run --timeout) overrides the group's timeout for the communicator:
     # torch's default of 30 minutes is long for noticing a hung peer
     secs = float(os.environ.get("MRC_TIMEOUT") or timeout.total_seconds())
-    comm = mrc.Communicator(rank, size, uid, timeout=secs, **_communicator_kwargs(global_rank))
+    comm = mrc.Communicator(rank, size, uid, timeout=secs, **kw)
     return ProcessGroupMRC(comm, rank, size, timeout)
 
 
