@@ -560,6 +560,31 @@ def test_a_link_that_went_is_opened_again_and_a_quiet_group_opens_none() -> None
         server.stop()
 
 
+def test_a_server_outside_rank_0_listens_on_rank_0s_planes() -> None:
+    """get_unique_id() in a launcher, not in rank 0's process: the server learns rank 0's
+    planes from its join and listens on those it can (here all: the same host), so every
+    rank gets its links as when rank 0 serves (before, none: one connection only)."""
+    timeout = 2.0
+    server = rendezvous.RendezvousServer(UniqueId("127.0.0.1", 0, "u" * 32))
+    clients = [rendezvous.RendezvousClient(server.uid, timeout) for _ in range(2)]
+    infos = [{"planes": ["127.0.0.1", "127.0.0.3", "192.0.2.1"]}, {"planes": ["127.0.0.4"]}]
+    joins = [threading.Thread(target=c.join, args=(r, 2, infos[r])) for r, c in enumerate(clients)]
+    try:
+        for t in joins:
+            t.start()
+        for t in joins:
+            t.join(timeout)
+        for c in clients:
+            c.start_monitor(lambda rank, msg: None, lambda rank: None, lambda: None)
+        # 127.0.0.1 is the join's own; 192.0.2.1 is not this host's: left out
+        assert [a for a, _ in server._links] == ["127.0.0.3"]
+        assert _until(lambda: all(len(_links_to(c, "127.0.0.3")) == 1 for c in clients), 5)
+    finally:
+        for c in clients:
+            c.close({"op": "bye"})
+        server.stop()
+
+
 def test_a_full_connection_is_not_waited_on() -> None:
     """rendezvous._offer queues a whole message or none (False) without blocking: a
     heartbeat for a path down for minutes cannot stall the server or the rank."""

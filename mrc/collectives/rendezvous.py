@@ -397,6 +397,13 @@ class RendezvousServer:
         peer.rank = rank
         peer.info = dict(msg.get("info", {}))
         self._by_rank[rank] = peer
+        if rank == 0 and not self._links:
+            # A server that get_unique_id() started outside rank 0's process did not know
+            # rank 0's planes; where they are this process's too (the same host or
+            # namespace: a launcher), it listens on them now, before the table lists them.
+            planes = peer.info.get("planes")
+            if isinstance(planes, list):
+                self.add_links([a for a in planes if isinstance(a, str)])
         if len(self._by_rank) == self._size:
             self._complete = True
             infos = [self._by_rank[r].info for r in range(self._size)]
