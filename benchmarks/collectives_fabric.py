@@ -57,7 +57,8 @@ LINE_GBPS = 4.0
 YIELD = [("mpi_yield_when_idle", "1")]
 PEERS = ("gloo", "mpi_default", "mpi_ring")
 # mrc_planes: mrc with routes="planes" (one plain-IPv6 path per plane, no SRH: UDP GSO
-# batches stay whole); mrc is the default, the route table's SRv6 paths.
+# batches stay whole); mrc is the default, routes="auto": the route table's SRv6 paths
+# where the kernel keeps UDP GSO for them (seg6 lwtunnels), else the same as mrc_planes.
 FRAMEWORKS = ("mrc", "mrc_planes", *PEERS)
 OTHER = ("all_gather", "reduce_scatter", "broadcast")
 KEY_SIZE = 64 << 20

@@ -495,6 +495,14 @@ cdef class Endpoint:
         an operation's pace."""
         return c.mrc_ep_progress_cpu_ns(self._ptr())  # the GIL held: close() waits
 
+    def srh_offload(self) -> bool:
+        """True when this endpoint's SRv6 route sockets get their header from kernel
+        seg6 routes, so UDP GSO batches cross the fabric whole; False when they would
+        carry it as the socket's sticky header (each batch cut into datagrams at the
+        sender: MRC_SRH=socket, planes on lo, no CAP_NET_ADMIN, or a kernel without
+        SRv6 lightweight tunnels). Asks the kernel (one route added and removed)."""
+        return c.mrc_ep_srh_offload(self._ptr()) == 1
+
     def stats(self) -> dict:
         """Counters: totals, drops by reason, and one entry per path of every connection."""
         cdef c.mrc_ep_stats st

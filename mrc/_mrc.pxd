@@ -64,6 +64,7 @@ cdef extern from "mrc.h" nogil:
     void mrc_ep_destroy(mrc_ep *ep)
     int mrc_ep_nplanes(const mrc_ep *ep)
     uint64_t mrc_ep_progress_cpu_ns(const mrc_ep *ep)
+    int mrc_ep_srh_offload(const mrc_ep *ep)
     int mrc_ep_plane(const mrc_ep *ep, int plane, char *addr, size_t addrlen, uint16_t *port)
     int mrc_ep_inject(mrc_ep *ep, int plane, double tx_loss, int down)
 

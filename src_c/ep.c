@@ -248,6 +248,16 @@ uint64_t mrc_ep_progress_cpu_ns(const mrc_ep *ep)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+int mrc_ep_srh_offload(const mrc_ep *ep)
+{
+    for (int i = 0; i < ep->nplanes; i++) {
+        const struct plane *pl = &ep->planes[i];
+        if (pl->ifindex > 0)
+            return sock_seg6route_wanted(pl) && seg6route_probe(pl->ifindex) == 0;
+    }
+    return 0; /* no plane on a known interface: every route socket is sticky */
+}
+
 int mrc_ep_plane(const mrc_ep *ep, int plane, char *addr, size_t addrlen, uint16_t *port)
 {
     if (plane < 0 || plane >= ep->nplanes)

@@ -559,8 +559,15 @@ int link_open(mrc_ep *ep);
 /* seg6route.c: the firewall mark under which the kernel inserts this
  * route's SRH (installing the rule and table once per host); <0: none. */
 int seg6route_mark(int ifindex, int nsegs, const struct in6_addr *segs, uint32_t *mark);
+/* 0 when the kernel takes a seg6 route out of `ifindex` here (SRv6
+ * lightweight tunnels built in, CAP_NET_ADMIN), else its error. */
+int seg6route_probe(int ifindex);
 /* Puts table `mark` back as seg6route_mark made it (after a link down). */
 int seg6route_restore(uint32_t mark, int ifindex, int nsegs, const struct in6_addr *segs);
+/* sock.c: whether route sockets on this plane try kernel seg6 routes (not
+ * with MRC_SRH=socket, nor on `lo`, where a test's endpoints would leave
+ * rules in the host's own namespace). */
+bool sock_seg6route_wanted(const struct plane *pl);
 /* sock.c: restores the seg6 routes of plane's route sockets. */
 void sock_seg6route_restore_pt(mrc_ep *ep, int plane);
 void link_poll_pt(mrc_ep *ep);

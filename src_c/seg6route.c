@@ -292,6 +292,38 @@ int seg6route_mark(int ifindex, int nsegs, const struct in6_addr *segs, uint32_t
     return rc;
 }
 
+/* The table a probe's route goes into: inside the range `mrc-route kernel`
+ * lists (a probe killed between add and delete leaves a route there to find),
+ * and harmless if install() ever hashes to it: no rule leads there, and a
+ * route that is not ours makes install() take the next table. */
+#define SEG6ROUTE_PROBE_TABLE (SEG6ROUTE_BASE | 0xffffu)
+
+static int route_del(int fd, uint32_t table, int ifindex)
+{
+    struct nlreq r;
+    route_msg(&r, RTM_DELROUTE, 0, table);
+    nl_put_u32(NH(&r), RTA_OIF, (uint32_t)ifindex);
+    return nl_talk(fd, NH(&r), NULL, 0);
+}
+
+int seg6route_probe(int ifindex)
+{
+    if (ifindex <= 0)
+        return MRC_EUSAGE;
+    int fd = nl_open();
+    if (fd < 0)
+        return fd;
+    /* Any two segments: the route is never used (no rule names its table). */
+    struct in6_addr segs[2] = {{.s6_addr = {0xfd, [15] = 1}}, {.s6_addr = {0xfd, [15] = 2}}};
+    uint8_t srh[MRC_SRH_MAX];
+    size_t srhlen = sock_srh_build(srh, 2, segs);
+    int rc = route_add(fd, SEG6ROUTE_PROBE_TABLE, ifindex, srh, srhlen);
+    if (rc == 0)
+        route_del(fd, SEG6ROUTE_PROBE_TABLE, ifindex);
+    close(fd);
+    return rc;
+}
+
 int seg6route_restore(uint32_t mark, int ifindex, int nsegs, const struct in6_addr *segs)
 {
     int fd = nl_open();

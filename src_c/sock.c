@@ -123,6 +123,12 @@ size_t sock_srh_build(uint8_t *srh, int nsegs, const struct in6_addr *segs)
  * an endpoint needs one per (plane, spine route), not one per peer path (a
  * full mesh of 64 endpoints on a 32-path fabric fits; test_routes.py).
  */
+bool sock_seg6route_wanted(const struct plane *pl)
+{
+    const char *how = getenv("MRC_SRH");
+    return !(how && strcmp(how, "socket") == 0) && !pl->loopback;
+}
+
 static bool sock_route_is(const struct msock *s, int plane, int nsegs,
                           const struct in6_addr *segs)
 {
@@ -161,8 +167,7 @@ int sock_path_pt(mrc_ep *ep, int plane, int nsegs, const struct in6_addr *segs)
      * header: the same packets on the wire, each batch cut into datagrams at
      * the sender. */
     uint32_t mark = 0;
-    const char *how = getenv("MRC_SRH");
-    bool routed = !(how && strcmp(how, "socket") == 0) && !pl->loopback &&
+    bool routed = sock_seg6route_wanted(pl) &&
                   seg6route_mark(pl->ifindex, nsegs, segs, &mark) == 0 &&
                   setsockopt(fd, SOL_SOCKET, SO_MARK, &mark, sizeof(mark)) == 0;
     if (!routed && setsockopt(fd, IPPROTO_IPV6, IPV6_RTHDR, srh, (socklen_t)srhlen) < 0) {

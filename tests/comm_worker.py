@@ -150,6 +150,7 @@ def main() -> None:
                 out["got"] = exchange(comm)
                 out["npaths"] = [c.npaths if c else 0 for c in comm.peers]
                 out["fabric_info"] = comm.fabric_info
+                out["routes"] = comm.stats()["routes"]
             elif mode == "die":
                 exchange(comm)
                 print(json.dumps({"rank": rank, "dying": True}), flush=True)

@@ -609,3 +609,34 @@ def test_a_full_connection_is_not_waited_on() -> None:
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize(
+    ("offload", "used", "named"),
+    [
+        ([True, True, True], "table", None),
+        ([True, False, True], "planes", "rank 1 would"),
+        ([False, True, False], "planes", "ranks 0, 2 would"),
+        ([None, True, True], "planes", "rank 0 would"),  # a rank that did not say
+    ],
+)
+def test_routes_auto_is_settled_alike_from_every_rank(
+    offload: list[bool | None], used: str, named: str | None
+) -> None:
+    """routes="auto" on a fabric: the route table only when every rank's SRH goes on after
+    UDP GSO; one rank with a sticky header makes the whole group take one path per plane
+    (both ends of a connection must build the same paths), and the reason names it."""
+    comm = object.__new__(mrc.Communicator)
+    fabric = Path(__file__).resolve().parents[1] / "routing" / "4host-4plane.toml"
+    comm.routes, comm._fabric = "auto", load_fabric(fabric)
+    comm._settle_routes([{"srh_offload": v} for v in offload])
+    assert comm.routes == used
+    assert (named is None) == comm.routes_why.startswith("auto: every rank")
+    if named is not None:
+        assert named in comm.routes_why
+    comm.routes, comm._fabric = "auto", None  # loopback planes: nothing to choose
+    comm._settle_routes([{"srh_offload": None}] * 3)
+    assert comm.routes == "planes"
+    comm.routes = "table"  # asked for: kept, whatever the ranks said
+    comm._settle_routes([{"srh_offload": False}] * 3)
+    assert comm.routes == "table"

@@ -27,9 +27,16 @@ MRC_RUN = [sys.executable, "-m", "mrc.run"]
 WORKER = str(ROOT / "tests" / "comm_worker.py")
 
 
-def mrc_run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def mrc_run(
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*MRC_RUN, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [*MRC_RUN, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -297,8 +304,8 @@ def test_fabric_ports_are_free_in_rank_0s_namespace() -> None:
 
 @pytest.mark.root
 def test_mrc_run_on_a_namespace_fabric() -> None:
-    """4 ranks, each in its host's namespace: the mesh carries checked data on every
-    path of the route table between the hosts."""
+    """4 ranks, each in its host's namespace, MRC_ROUTES=table: the mesh carries checked
+    data on every path of the route table between the hosts."""
     fabric = str(ROOT / "routing/4host-4plane.toml")
     with fabric_up(fabric) as fab:
         npaths = len(fab.paths("h0", "h1"))
@@ -320,6 +327,7 @@ def test_mrc_run_on_a_namespace_fabric() -> None:
             "env",
             "0",
             timeout=120,
+            env={"MRC_ROUTES": "table"},
         )
     assert res.returncode == 0, res.stdout + res.stderr
     got = rank_results(res.stdout)
@@ -327,6 +335,7 @@ def test_mrc_run_on_a_namespace_fabric() -> None:
         assert got[r].get("ok"), got[r]
         assert got[r]["got"] == {str(p): expected_sha(p, r) for p in range(4) if p != r}
         assert got[r]["npaths"] == [0 if p == r else npaths for p in range(4)]
+        assert got[r]["routes"] == {"used": "table", "why": "asked for"}
         info = got[r]["fabric_info"]
         assert isinstance(info, dict) and info["host"] == f"h{r}"
         rates = [fab.fabric.host_link(f"h{r}", p).rate_bps for p in range(4)]
@@ -378,6 +387,42 @@ def test_mrc_routes_planes_one_plain_path_per_plane() -> None:
         assert got[r]["npaths"] == [0 if p == r else 4 for p in range(4)]
 
 
+@pytest.mark.root
+def test_routes_auto_takes_the_table_only_where_batches_stay_whole() -> None:
+    """The default (routes="auto") on a fabric: the route table's SRv6 paths where the
+    kernel can put the SRH on after UDP GSO (seg6 lightweight tunnels, asked here
+    independently with `ip route ... encap seg6local`), else one plain path per plane
+    (the sticky header would cut every batch); every rank chooses the same and says why.
+    With MRC_SRH=socket every rank's SRH would be sticky: planes on any kernel."""
+    from mrc.fabric.netns import kernel_has_seg6local
+
+    fabric = str(ROOT / "routing/4host-4plane.toml")
+    table = kernel_has_seg6local()
+    with fabric_up(fabric) as fab:
+        npaths = len(fab.paths("h0", "h1"))
+        assert npaths > 4
+        for env, want in (({}, "table" if table else "planes"), ({"MRC_SRH": "socket"}, "planes")):
+            res = mrc_run(
+                "-n", "4", "--fabric", fabric, "--name", fab.prefix, "--timeout", "20",
+                "--", sys.executable, WORKER, "mesh", "env", "env", "env", "0",
+                timeout=120,
+                env=env,
+            )  # fmt: skip
+            assert res.returncode == 0, res.stdout + res.stderr
+            got = rank_results(res.stdout)
+            for r in range(4):
+                assert got[r].get("ok"), got[r]
+                assert got[r]["got"] == {str(p): expected_sha(p, r) for p in range(4) if p != r}
+                routes = got[r]["routes"]
+                assert isinstance(routes, dict) and routes["used"] == want, (env, routes)
+                k = npaths if want == "table" else 4
+                assert got[r]["npaths"] == [0 if p == r else k for p in range(4)]
+                if want == "planes":  # every rank named: all four send a sticky header
+                    assert "ranks 0, 1, 2, 3 would send the SRH as a sticky" in routes["why"]
+
+
 def test_routes_must_be_table_or_planes() -> None:
-    with pytest.raises(mrc.UsageError, match="routes must be 'table' or 'planes', got 'spine'"):
+    with pytest.raises(
+        mrc.UsageError, match="routes must be 'auto', 'table' or 'planes', got 'spine'"
+    ):
         mrc.Communicator(0, 1, mrc.get_unique_id(), routes="spine")

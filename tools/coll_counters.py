@@ -1,7 +1,7 @@
-"""Usage (root): coll_counters.py [SIZES] [ITERS]
+"""Usage (root): coll_counters.py [SIZES] [ITERS] [FABRIC_FILE]
 
 Where does a collective's time go on the shaped fabric? all_reduce f32 sum with 4 ranks
-under mrc-run on routing/4host-4plane-1g.toml, each SIZES (bytes, comma-separated;
+under mrc-run on routing/4host-4plane-1g.toml (or FABRIC_FILE), each SIZES (bytes, comma-separated;
 default 8,1048576,67108864) ITERS times (x30 up to 1 MiB). Prints per rank the median
 time, busbw (nccl-tests' 2(n-1)/n), data_pkts_per_send (data packets per datagram
 handed to the kernel: the GSO batches the fabric forwards) and the endpoint counters
@@ -75,11 +75,12 @@ def rank_main(sizes: list[int], iters: int) -> None:
             "busbw_gbps": round(nbytes * 2 * (comm.size - 1) / comm.size / med * 8e-9, 3),
             **{k: after[k] - before[k] for k in after},
         }
-        # Data packets per datagram the sender handed the kernel (ACKs are one
-        # packet each): what the fabric's per-datagram work scales with.
+        # Data packets per datagram the sender handed the kernel (tx_pkts counts data
+        # packets only; ACKs leave one per datagram): what the fabric's per-datagram
+        # work scales with.
         data_sends = row["tx_sends"] - row["acks_tx"]
         row["data_pkts_per_send"] = (
-            round((row["tx_pkts"] - row["acks_tx"]) / data_sends, 2) if data_sends > 0 else None
+            round(row["tx_pkts"] / data_sends, 2) if data_sends > 0 else None
         )
         print(json.dumps(row), flush=True)
         if comm.rank == 0:
@@ -119,7 +120,7 @@ def main() -> None:
     args = sys.argv[1:]
     sizes = [int(s) for s in (args[0] if args else "8,1048576,67108864").split(",")]
     iters = int(args[1]) if len(args) > 1 else 3
-    with fabric_up(FABRIC) as fab:
+    with fabric_up(args[2] if len(args) > 2 else FABRIC) as fab:
         before = host_counters(fab)
         cmd = [sys.executable, "-m", "mrc.run", "-n", "4", "--fabric", fab.file]
         cmd += ["--name", fab.prefix, "--timeout", "120", "--"]

@@ -80,11 +80,14 @@ class Communicator(Collectives):
     rank's host in it (default: host number `rank`); the planes are the host's NICs and
     every connection gets the route table's paths. timeout: seconds for the bootstrap and
     for noticing a dead rank. endpoint: more mrc.Endpoint options (mss, window, ...).
-    routes (on a fabric): "table" (default) gives each connection the route table's SRv6
-    paths (every plane and spine); "planes" one plain-IPv6 path per plane (the fabric's
-    own routing picks the spine). SRH packets lose UDP GSO, so "planes" forwards about a
-    third of the packets: on the loaded 4-host fabric 64 MiB all_reduce busbw 1.9-3.1
-    Gbit/s against 1.2-2.0 (docs/architecture.md). MRC_ROUTES sets it in from_env().
+    routes (on a fabric): "table" gives each connection the route table's SRv6 paths
+    (every plane and spine); "planes" one plain-IPv6 path per plane (the fabric's own
+    routing picks the spine); "auto" (default) the table where every rank's kernel puts
+    the SRH on after UDP GSO (kernel seg6 routes: SRv6 lightweight tunnels and
+    CAP_NET_ADMIN), else planes: with the socket's sticky header every GSO batch is cut
+    into datagrams at the sender, and on a kernel without seg6 lwtunnels the 64 MiB
+    all_reduce on the 4 x 1 Gbit/s fabric took 333-395 ms with the table against 224-237
+    with planes. stats()["routes"] says which and why. MRC_ROUTES sets it in from_env().
     rendezvous_addrs: rank 0's other addresses (its other planes), tried in turn with the
     unique id's when that cannot be reached; MRC_MASTER_ADDRS in from_env() (mrc-run sets
     it on a fabric). Default on a fabric: the other planes of the fabric host that owns the
@@ -102,13 +105,14 @@ class Communicator(Collectives):
         host: str | None = None,
         timeout: float = 60.0,
         endpoint: dict[str, Any] | None = None,
-        routes: str = "table",
+        routes: str = "auto",
         rendezvous_addrs: Sequence[str] = (),
     ) -> None:
         self.rank, self.size = _check_rank(rank, size)
-        if routes not in ("table", "planes"):
-            raise UsageError(f"routes must be 'table' or 'planes', got {routes!r}")
-        self.routes = routes
+        if routes not in ("auto", "table", "planes"):
+            raise UsageError(f"routes must be 'auto', 'table' or 'planes', got {routes!r}")
+        self.routes = routes  # "auto" is settled from every rank's answer (_settle_routes)
+        self.routes_why = "asked for"
         if not 0 < timeout < 2**31 / 1000:
             raise UsageError(f"timeout must be > 0 seconds, got {timeout}")
         self.timeout = float(timeout)
@@ -143,6 +147,7 @@ class Communicator(Collectives):
             infos = self._client.join(self.rank, self.size, self._info())
             self._client.start_monitor(self._on_failed, self._on_closed, self._released.set)
             self._take_table(infos)
+            self._settle_routes(infos)
             self._connect_mesh(infos)
             init = getattr(self, "_collectives_init", None)
             if init is not None:
@@ -201,7 +206,35 @@ class Communicator(Collectives):
             "port": port,
             "pid": os.getpid(),
             "rates_bps": None if self.fabric_info is None else self.fabric_info["rates_bps"],
+            # Only asked where it decides something (one route added and removed).
+            "srh_offload": (
+                self.endpoint.srh_offload()
+                if self.routes == "auto" and self._fabric is not None
+                else None
+            ),
         }
+
+    def _settle_routes(self, infos: list[dict[str, Any]]) -> None:
+        """routes="auto": the route table when every rank's SRv6 paths keep UDP GSO, else
+        one path per plane. Every rank reads the same table, so all choose alike (the
+        two ends of a connection must build the same paths)."""
+        if self.routes != "auto":
+            return
+        if self._fabric is None:
+            self.routes, self.routes_why = "planes", "no fabric: the endpoint's own planes"
+            return
+        sticky = [r for r, i in enumerate(infos) if not i.get("srh_offload")]
+        if not sticky:
+            self.routes = "table"
+            self.routes_why = "auto: every rank's kernel puts the SRH on after UDP GSO"
+            return
+        self.routes = "planes"
+        self.routes_why = (
+            f"auto: rank{'s' if len(sticky) > 1 else ''} {', '.join(map(str, sticky))} "
+            "would send the SRH as a sticky socket header (no kernel seg6 routes: a kernel "
+            "without SRv6 lightweight tunnels, or no CAP_NET_ADMIN), which cuts every UDP "
+            "GSO batch into datagrams; routes='table' keeps the SRv6 paths anyway"
+        )
 
     def _take_table(self, infos: list[dict[str, Any]]) -> None:
         self.hosts = [str(i["host"]) for i in infos]
@@ -394,13 +427,15 @@ class Communicator(Collectives):
             self._server = None
 
     def stats(self) -> dict[str, Any]:
-        """This rank's view: rank, size, host, the resilient planner's agreed bandwidths
-        and chosen schedule ("resilient"), and the endpoint's stats ("endpoint")."""
+        """This rank's view: rank, size, host, the paths its connections use ("routes":
+        "table" or "planes", and why), the resilient planner's agreed bandwidths and
+        chosen schedule ("resilient"), and the endpoint's stats ("endpoint")."""
         res = getattr(self, "_resilience", None)
         return {
             "rank": self.rank,
             "size": self.size,
             "host": self.host,
+            "routes": {"used": self.routes, "why": self.routes_why},
             "resilient": None if res is None else res.stats(),
             "endpoint": None if self.endpoint.closed else self.endpoint.stats(),
         }

@@ -92,6 +92,13 @@ int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out);
  * op keeps the endpoint's small core alive until it is released). */
 void mrc_ep_destroy(mrc_ep *ep);
 int mrc_ep_nplanes(const mrc_ep *ep);
+/* 1 when this endpoint's SRv6 route sockets take their header from kernel
+ * seg6 routes, so UDP GSO batches cross the fabric whole; 0 when they would
+ * carry it as the socket's sticky header, which cuts every batch into
+ * datagrams at the sender (MRC_SRH=socket, planes on `lo`, no CAP_NET_ADMIN,
+ * or a kernel without SRv6 lightweight tunnels). Asks the kernel (a route
+ * added to a table no rule names, and removed). */
+int mrc_ep_srh_offload(const mrc_ep *ep);
 /* The plane's bound address and UDP port. */
 int mrc_ep_plane(const mrc_ep *ep, int plane, char *addr, size_t addrlen, uint16_t *port);
 /* CPU time the endpoint's progress thread has used, in nanoseconds; 0 when the

@@ -124,6 +124,10 @@ int main(void)
     CHECK_RC(mrc_ep_get_stats(hub, &st, NULL, 0));
     CHECK(st.nconns == NPEERS);
     CHECK(st.nsocks == 1 + NSPINES);
+    /* The plane is on lo: its route sockets carry the sticky header (no
+     * kernel seg6 routes there), and the endpoint says so. */
+    CHECK(st.nsocks_seg6route == 0);
+    CHECK(mrc_ep_srh_offload(hub) == 0);
 
     /* A different pattern to every peer: a socket that sent to the wrong
      * peer would place another's bytes or none. */
