@@ -252,10 +252,15 @@ int mrc_ep_srh_offload(const mrc_ep *ep)
 {
     for (int i = 0; i < ep->nplanes; i++) {
         const struct plane *pl = &ep->planes[i];
-        if (pl->ifindex > 0)
-            return sock_seg6route_wanted(pl) && seg6route_probe(pl->ifindex) == 0;
+        if (pl->ifindex <= 0)
+            continue;
+        if (!sock_seg6route_wanted(pl))
+            return 0;
+        int rc = seg6route_probe(pl->ifindex);
+        if (rc != -ENETDOWN) /* a plane whose link is down cannot say: ask the next */
+            return rc == 0;
     }
-    return 0; /* no plane on a known interface: every route socket is sticky */
+    return 0; /* no plane on a known interface that is up: every route socket is sticky */
 }
 
 int mrc_ep_plane(const mrc_ep *ep, int plane, char *addr, size_t addrlen, uint16_t *port)

@@ -97,7 +97,8 @@ int mrc_ep_nplanes(const mrc_ep *ep);
  * carry it as the socket's sticky header, which cuts every batch into
  * datagrams at the sender (MRC_SRH=socket, planes on `lo`, no CAP_NET_ADMIN,
  * or a kernel without SRv6 lightweight tunnels). Asks the kernel (a route
- * added to a table no rule names, and removed). */
+ * out of the first plane whose link is up, added to a table no rule names,
+ * and removed). */
 int mrc_ep_srh_offload(const mrc_ep *ep);
 /* The plane's bound address and UDP port. */
 int mrc_ep_plane(const mrc_ep *ep, int plane, char *addr, size_t addrlen, uint16_t *port);
