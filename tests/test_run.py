@@ -253,16 +253,8 @@ def test_killed_rank_under_mrc_run() -> None:
         f"sys.argv = [{WORKER!r}, mode, 'env', 'env', 'env', '0']\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
-    env = dict(os.environ, DEAD_RANK="2")
-    res = subprocess.run(
-        # A death is seen at once (its socket closes); the timeout only bounds start-up.
-        [*MRC_RUN, "-n", "4", "--timeout", "20", "--", *py(code)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env=env,
-    )
+    # A death is seen at once (its socket closes); the timeout only bounds start-up.
+    res = mrc_run("-n", "4", "--timeout", "20", "--", *py(code), timeout=60, env={"DEAD_RANK": "2"})
     assert res.returncode == 3, res.stdout
     assert "mrc-run: rank 2 exited with code 3 (first failure)" in res.stdout
     got = rank_results(res.stdout)
@@ -370,15 +362,12 @@ def test_mrc_routes_planes_one_plain_path_per_plane() -> None:
     fabric = str(ROOT / "routing/4host-4plane.toml")
     with fabric_up(fabric) as fab:
         assert len(fab.paths("h0", "h2")) > 4  # the table's SRv6 paths: more than planes
-        res = subprocess.run(
-            [*MRC_RUN, "-n", "4", "--fabric", fabric, "--name", fab.prefix, "--timeout", "20"]
-            + ["--", sys.executable, WORKER, "mesh", "env", "env", "env", "0"],
-            capture_output=True,
-            text=True,
+        res = mrc_run(
+            "-n", "4", "--fabric", fabric, "--name", fab.prefix, "--timeout", "20",
+            "--", sys.executable, WORKER, "mesh", "env", "env", "env", "0",
             timeout=120,
-            cwd=ROOT,
-            env=dict(os.environ, MRC_ROUTES="planes"),
-        )
+            env={"MRC_ROUTES": "planes"},
+        )  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
     got = rank_results(res.stdout)
     for r in range(4):
