@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import mrc
-from mrc.fabric.testing import fabric_up
+from mrc.fabric.testing import RunningFabric, fabric_up
 from mrc.run import core_blocks, plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -294,6 +294,24 @@ def test_fabric_ports_are_free_in_rank_0s_namespace() -> None:
         assert res.returncode == 0, res.stderr
 
 
+def fabric_mesh(fab: RunningFabric, routes_env: dict[str, str]) -> dict[int, dict[str, object]]:
+    """4 ranks of comm_worker's mesh under mrc-run, rank r in host r of the running
+    fabric `fab`: every rank must end ok with every peer's data checked. Returns each
+    rank's result."""
+    res = mrc_run(
+        "-n", "4", "--fabric", fab.file, "--name", fab.prefix, "--timeout", "20",
+        "--", sys.executable, WORKER, "mesh", "env", "env", "env", "0",
+        timeout=120,
+        env=routes_env,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = rank_results(res.stdout)
+    for r in range(4):
+        assert got[r].get("ok"), got[r]
+        assert got[r]["got"] == {str(p): expected_sha(p, r) for p in range(4) if p != r}
+    return got
+
+
 @pytest.mark.root
 def test_mrc_run_on_a_namespace_fabric() -> None:
     """4 ranks, each in its host's namespace, MRC_ROUTES=table: the mesh carries checked
@@ -301,31 +319,8 @@ def test_mrc_run_on_a_namespace_fabric() -> None:
     fabric = str(ROOT / "routing/4host-4plane.toml")
     with fabric_up(fabric) as fab:
         npaths = len(fab.paths("h0", "h1"))
-        res = mrc_run(
-            "-n",
-            "4",
-            "--fabric",
-            fabric,
-            "--name",
-            fab.prefix,
-            "--timeout",
-            "20",
-            "--",
-            sys.executable,
-            WORKER,
-            "mesh",
-            "env",
-            "env",
-            "env",
-            "0",
-            timeout=120,
-            env={"MRC_ROUTES": "table"},
-        )
-    assert res.returncode == 0, res.stdout + res.stderr
-    got = rank_results(res.stdout)
+        got = fabric_mesh(fab, {"MRC_ROUTES": "table"})
     for r in range(4):
-        assert got[r].get("ok"), got[r]
-        assert got[r]["got"] == {str(p): expected_sha(p, r) for p in range(4) if p != r}
         assert got[r]["npaths"] == [0 if p == r else npaths for p in range(4)]
         assert got[r]["routes"] == {"used": "table", "why": "asked for"}
         info = got[r]["fabric_info"]
@@ -362,17 +357,8 @@ def test_mrc_routes_planes_one_plain_path_per_plane() -> None:
     fabric = str(ROOT / "routing/4host-4plane.toml")
     with fabric_up(fabric) as fab:
         assert len(fab.paths("h0", "h2")) > 4  # the table's SRv6 paths: more than planes
-        res = mrc_run(
-            "-n", "4", "--fabric", fabric, "--name", fab.prefix, "--timeout", "20",
-            "--", sys.executable, WORKER, "mesh", "env", "env", "env", "0",
-            timeout=120,
-            env={"MRC_ROUTES": "planes"},
-        )  # fmt: skip
-    assert res.returncode == 0, res.stdout + res.stderr
-    got = rank_results(res.stdout)
+        got = fabric_mesh(fab, {"MRC_ROUTES": "planes"})
     for r in range(4):
-        assert got[r].get("ok"), got[r]
-        assert got[r]["got"] == {str(p): expected_sha(p, r) for p in range(4) if p != r}
         assert got[r]["npaths"] == [0 if p == r else 4 for p in range(4)]
 
 
@@ -391,17 +377,8 @@ def test_routes_auto_takes_the_table_only_where_batches_stay_whole() -> None:
         npaths = len(fab.paths("h0", "h1"))
         assert npaths > 4
         for env, want in (({}, "table" if table else "planes"), ({"MRC_SRH": "socket"}, "planes")):
-            res = mrc_run(
-                "-n", "4", "--fabric", fabric, "--name", fab.prefix, "--timeout", "20",
-                "--", sys.executable, WORKER, "mesh", "env", "env", "env", "0",
-                timeout=120,
-                env=env,
-            )  # fmt: skip
-            assert res.returncode == 0, res.stdout + res.stderr
-            got = rank_results(res.stdout)
+            got = fabric_mesh(fab, env)
             for r in range(4):
-                assert got[r].get("ok"), got[r]
-                assert got[r]["got"] == {str(p): expected_sha(p, r) for p in range(4) if p != r}
                 routes = got[r]["routes"]
                 assert isinstance(routes, dict) and routes["used"] == want, (env, routes)
                 k = npaths if want == "table" else 4
