@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -429,3 +430,48 @@ def test_bad_arguments_are_named() -> None:
         # still usable: nothing was sent
         out = ok(run_ranks(rs, lambda r: r.all_reduce(np.full(5, r.rank + 1, np.int64))))
         assert all((o == 3).all() for o in out)
+
+
+def test_a_repeated_call_checks_its_buffers_again() -> None:
+    """A call of a shape seen before skips the checks of its arguments (ops._repeat),
+    not those of its buffers: each misuse below follows a good call of the same shape
+    and is still named; the good calls around them give the reference bits."""
+    with mesh(2) as rs:
+
+        def good(rk: Any, seed: int, in_place: bool) -> np.ndarray:
+            mine = data("float32", 5, seed + rk.rank)
+            if in_place:
+                return rk.all_reduce(mine)
+            return rk.all_reduce(mine, np.empty_like(mine))
+
+        for seed in range(6):
+            in_place = seed % 2 == 1
+            ins = [data("float32", 5, seed + r) for r in range(2)]
+            want = bits(M.reference(ins, "float32", "sum"))
+            got = ok(run_ranks(rs, lambda rk, s=seed, i=in_place: good(rk, s, i)))
+            assert all(bits(g) == want for g in got), seed
+        rk = rs[0]
+        x = np.ones(5, np.float32)
+        with pytest.raises(UsageError, match="read-only"):
+            rk.all_reduce(np.frombuffer(x.tobytes(), np.float32))
+        with pytest.raises(UsageError, match="C-contiguous"):
+            rk.all_reduce(x, np.ones((5, 2), np.float32)[:, 0])
+        with pytest.raises(UsageError, match="read-only"):
+            rk.all_reduce(x, np.frombuffer(x.tobytes(), np.float32))
+        with pytest.raises(UsageError, match="different dtypes"):
+            rk.all_reduce(x, np.ones(5, np.int32))
+        with pytest.raises(UsageError, match="5 and 6 elements"):
+            rk.all_reduce(x, np.ones(6, np.float32))
+        with pytest.raises(UsageError, match="C-contiguous"):
+            rk.all_reduce(np.ones((5, 2), np.float32)[:, 0], np.empty(5, np.float32))
+        # Empty arrays, twice (the second from the remembered call).
+        for _ in range(2):
+            out = ok(
+                run_ranks(rs, lambda rk: rk.all_reduce(np.ones(0, np.int8), np.ones(0, np.int8)))
+            )
+            assert all(o.size == 0 for o in out)
+        # still usable, and the remembered calls are the ones it took
+        got = ok(run_ranks(rs, lambda rk: good(rk, 0, False)))
+        ins = [data("float32", 5, r) for r in range(2)]
+        assert all(bits(g) == bits(M.reference(ins, "float32", "sum")) for g in got)
+        assert rk._coll_calls, "the repeated calls took the remembered path"
