@@ -547,6 +547,7 @@ cdef class Endpoint:
                 "seg6route_failures": st.seg6route_failures,
                 "loop_iters": st.loop_iters, "rx_reads": st.rx_reads,
                 "rx_gro_reads": st.rx_gro_reads, "tx_sends": st.tx_sends,
+                "acks_carried": st.acks_carried,
                 "conns": st.nconns, "sockets": st.nsocks,
                 "sockets_seg6route": st.nsocks_seg6route,
                 "drops": {c.mrc_drop_str(i).decode(): st.drops[i]

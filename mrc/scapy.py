@@ -43,6 +43,7 @@ from scapy.packet import Packet, Raw, bind_layers
 __all__ = [
     "DEFAULT_PORT",
     "ECHO_LEN",
+    "F_ACKS",
     "MAGIC",
     "VERSION",
     "MRC",
@@ -60,11 +61,12 @@ __all__ = [
 
 DEFAULT_PORT = 4793
 MAGIC = 0x4D52
-VERSION = 3
+VERSION = 4
 HDR_LEN = 24
 ECHO_LEN = 24  # one further echo of an ACK
 EXT_LEN = {1: 32, 2: 32, 3: 80, 4: 8}  # extension bytes after the header, by type
 LEN_TYPES = (1, 2, 3)  # types whose ``len`` counts bytes after the extension
+F_ACKS = 0x20  # DATA: an ACK packet follows the extension, then the payload
 PKT_TYPES = {
     1: "WRITE",
     2: "SEND",
@@ -85,7 +87,7 @@ class MRC(Packet):  # type: ignore[misc]
         XLEShortField("magic", MAGIC),
         ByteField("version", VERSION),
         ByteEnumField("type", 1, PKT_TYPES),
-        FlagsField("flags", 0, 8, ["FIRST", "LAST", "IMM"]),
+        FlagsField("flags", 0, 8, ["FIRST", "LAST", "IMM", "CUM", "LAZY", "ACKS"]),
         ByteField("path", 0),
         LEShortField("len", None),
         LEIntField("conn", 0),
@@ -97,7 +99,11 @@ class MRC(Packet):  # type: ignore[misc]
         if self.len is None:
             # bytes after the extension: DATA's payload, an ACK's further echoes
             ext = EXT_LEN.get(self.type, 0)
+            if self.type in (1, 2) and int(self.flags) & F_ACKS:
+                ext += _carried_len(pay[ext:])
             n = max(len(pay) - ext, 0) if self.type in LEN_TYPES else 0
+            if self.type == 3 and isinstance(self.payload, MRCAck):
+                n = len(self.payload.echoes) * ECHO_LEN  # not the data after a carried ACK
             pkt = pkt[:6] + struct.pack("<H", n) + pkt[8:]
         return pkt + pay
 
@@ -108,8 +114,16 @@ class MRC(Packet):  # type: ignore[misc]
         return self.sprintf("MRC %MRC.type% conn=%MRC.conn% path=%MRC.path% psn=%MRC.psn%")
 
 
+def _carried_len(data: bytes) -> int:
+    """Bytes of the ACK packet at the start of ``data`` (what DATA with ACKS carries)."""
+    if len(data) < HDR_LEN + EXT_LEN[3]:
+        return len(data)
+    return HDR_LEN + EXT_LEN[3] + int(struct.unpack_from("<H", data, 6)[0])
+
+
 class MRCData(Packet):  # type: ignore[misc]
-    """DATA extension (WRITE, SEND), 32 bytes; the payload follows as Raw."""
+    """DATA extension (WRITE, SEND), 32 bytes; with flag ACKS the ACK it carries
+    follows as an MRC layer (its payload is then the data), else the payload as Raw."""
 
     name = "MRCData"
     fields_desc = [
@@ -121,6 +135,9 @@ class MRCData(Packet):  # type: ignore[misc]
     ]
 
     def guess_payload_class(self, payload: bytes) -> Any:
+        under = self.underlayer
+        if under is not None and int(under.flags) & F_ACKS:
+            return MRC
         return Raw
 
 
@@ -237,6 +254,8 @@ def split(data: bytes) -> list[bytes]:
     while is_mrc(data[:HDR_LEN]):
         typ = data[3]
         n = HDR_LEN + EXT_LEN.get(typ, 0)
+        if typ in (1, 2) and data[4] & F_ACKS:
+            n += _carried_len(data[n:])  # the ACK it carries, before the payload
         if typ in LEN_TYPES:
             n += struct.unpack_from("<H", data, 6)[0]
         if n > len(data):

@@ -519,6 +519,7 @@ static int post_chunk(struct run *r, uint32_t s, uint32_t i)
     if (early) {
         wr.ctx |= CTX_EARLY | (c->slot ? CTX_SLOT : 0);
         wr.cq = c->bg;
+        wr.flags |= MRC_POST_LAZY_ACK; /* their ACKs may ride on the peers' next data */
     }
     int rc = mrc_post(c->peers[t->peer], &wr, NULL);
     if (rc)

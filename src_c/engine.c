@@ -276,7 +276,7 @@ static uint32_t engine_sleep(mrc_ep *ep, uint64_t now)
     if (!idle)
         return UINT32_MAX;
     struct epoll_event evs[MRC_MAX_PLANES + 2];
-    uint64_t due = ep->next_timer_ns;
+    uint64_t due = ep->next_timer_ns < ep->ack_due_ns ? ep->next_timer_ns : ep->ack_due_ns;
     if (engine_unsent(ep) && due > now + MRC_TIMER_NS)
         due = now + MRC_TIMER_NS;
     uint64_t wait = due > now ? due - now : 0;
@@ -295,6 +295,7 @@ void *engine_main(void *arg)
 {
     mrc_ep *ep = arg;
     ep->next_timer_ns = UINT64_MAX; /* nothing to time until something is posted */
+    ep->ack_due_ns = UINT64_MAX;
     uint32_t ready = UINT32_MAX; /* plane sockets to read: the last epoll's answer */
     for (;;) {
         ep->work = false;
@@ -313,9 +314,9 @@ void *engine_main(void *arg)
                     break;
             }
         }
-        rx_flush_acks_pt(ep);
-        rx_copy_run_pt(ep); /* staged messages, a slice per pass */
         uint64_t now = now_ns();
+        rx_flush_acks_pt(ep, now);
+        rx_copy_run_pt(ep); /* staged messages, a slice per pass */
         if (ep->nl_ready) {
             ep->nl_ready = false;
             link_poll_pt(ep);

@@ -411,7 +411,12 @@ int mrc_post(mrc_conn *c, const struct mrc_wr *wr, mrc_op **out)
         return MRC_EUSAGE;
     if (wr->kind != MRC_OP_WRITE && wr->kind != MRC_OP_SEND && wr->kind != MRC_OP_RECV)
         return MRC_EUSAGE;
-    if (wr->flags & ~(MRC_POST_MORE | (wr->kind == MRC_OP_WRITE ? MRC_WRITE_IMM : 0)))
+    int allowed = MRC_POST_MORE;
+    if (wr->kind == MRC_OP_WRITE)
+        allowed |= MRC_WRITE_IMM | MRC_POST_LAZY_ACK;
+    else if (wr->kind == MRC_OP_SEND)
+        allowed |= MRC_POST_LAZY_ACK;
+    if (wr->flags & ~allowed)
         return MRC_EUSAGE;
     mrc_op *op = op_new(c, wr);
     if (!op)

@@ -48,6 +48,13 @@
 #define MRC_TIMER_NS 250000ull          /* timer scan period while packets are in flight */
 #define MRC_MIN_RTO_NS 5000000ull       /* floor of a path's retransmit timeout */
 #define MRC_MIN_QUICK_RTO_NS 1000000ull /* floor while other paths deliver */
+/* How long an ACK owed only for LAZY packets may wait for data going back to
+ * carry it (wire.h, MRC_F_LAZY): about one small collective on a loaded host,
+ * so that the next one's data carries it, and half the retransmission floor
+ * above, so a held ACK never looks like a loss. More than MRC_ACK_LAZY_PKTS
+ * such packets (a bulk transfer), a hole or a duplicate: the ACK goes now. */
+#define MRC_ACK_DELAY_NS 500000ull
+#define MRC_ACK_LAZY_PKTS 4u
 #define MRC_PROBE_INTERVAL_NS 5000000ull /* failed/probing paths are probed this often */
 /* A busy connection's idle paths, one path per turn: a waiting connection's
  * keepalives exist to find a dead peer, well inside any operation timeout. */
@@ -319,6 +326,9 @@ struct mrc_conn {
     bool rnr_owed;
     uint8_t rnr_owed_path;
     uint64_t ack_need;        /* bit per path id */
+    uint64_t ack_since;       /* when ack_need last became non-zero */
+    uint32_t ack_lazy;        /* packets owed an ACK, all LAZY (ack_now clear) */
+    bool ack_now;             /* the ACK owed may not wait (MRC_ACK_DELAY_NS) */
     unsigned ack_turn;        /* which delivering path's mirror the next ACK takes */
     uint32_t ack_echo_psn[MRC_MAX_PATHS];
     uint64_t ack_echo_ts[MRC_MAX_PATHS];
@@ -347,7 +357,7 @@ struct txbatch {
     struct iovec iov[MRC_BATCH][2];     /* header, payload: contiguous, so a run of
                                          * packets is one iovec array (UDP GSO) */
     struct sockaddr_in6 dst[MRC_BATCH]; /* copies: a path may go before its packet */
-    _Alignas(8) uint8_t hdr[MRC_BATCH][MRC_ACK_MAX_LEN]; /* the longest header */
+    _Alignas(8) uint8_t hdr[MRC_BATCH][MRC_DATA_ACKS_MAX_LEN]; /* the longest header */
     /* What one sendmmsg passes: runs of equal-sized packets to one address
      * merged into one UDP GSO datagram each (sock_flush_pt). */
     struct mmsghdr gmsg[MRC_BATCH];
@@ -434,6 +444,7 @@ struct mrc_ep {
     mrc_conn *pt_conns, *pt_conns_tail; /* every connection in conns[], in order of adding */
     mrc_conn *timed;         /* active connections with timers to run; none: no tick */
     mrc_conn *ackq;          /* connections owing ACKs */
+    uint64_t ack_due_ns;     /* the first ACK held in ackq falls due; UINT64_MAX: none */
     mrc_op *done_head;       /* completions to publish, newest first */
     /* Completions held back because a socket batch still holds packets that
      * may read their buffers (sendmmsg said EAGAIN): `held` is published once
@@ -527,7 +538,10 @@ void tx_release_pt(mrc_conn *c, int err);
 /* rx.c */
 void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, uint8_t *buf,
                   size_t len, uint64_t now);
-void rx_flush_acks_pt(mrc_ep *ep);
+void rx_flush_acks_pt(mrc_ep *ep, uint64_t now);
+/* The ACK c owes, written to out (MRC_ACK_MAX_LEN bytes) for a DATA packet to
+ * carry when one ACK says all of it; its length, or 0 (then it waits). */
+size_t rx_ack_carry_pt(mrc_conn *c, uint8_t *out);
 void rx_sack_fill(const mrc_conn *c, uint32_t base, uint64_t sack[MRC_SACK_BITS / 64]);
 void rx_post_recv_pt(mrc_conn *c, mrc_op *op);
 void rx_release_pt(mrc_conn *c, int err);

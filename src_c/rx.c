@@ -62,8 +62,16 @@ void rx_sack_fill(const mrc_conn *c, uint32_t base, uint64_t sack[MRC_SACK_BITS 
 
 /* `now`: when the packet arrived, echoed so that the sender can tell its
  * path's one-way delay from the round trip (path.c, congested()). */
-static void ack_need(mrc_conn *c, unsigned path, uint32_t psn, uint64_t ts, uint64_t now)
+static void ack_need(mrc_conn *c, unsigned path, uint32_t psn, uint64_t ts, uint64_t now,
+                     bool lazy)
 {
+    if (!c->ack_need) {
+        c->ack_since = now;
+        c->ack_lazy = 0;
+        c->ack_now = false;
+    }
+    if (!lazy || ++c->ack_lazy > MRC_ACK_LAZY_PKTS)
+        c->ack_now = true;
     c->ack_need |= 1ull << path;
     c->ack_echo_psn[path] = psn;
     c->ack_echo_ts[path] = ts;
@@ -404,7 +412,7 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
     int32_t off = psn_diff(h->psn, c->rx_cum);
     if (off < 0 || (off < (int32_t)c->window && rx_bit(c, h->psn))) {
         DROP(ep, DUPLICATE);
-        ack_need(c, h->path, h->psn, h->ts, now); /* its ACK was lost: send another */
+        ack_need(c, h->path, h->psn, h->ts, now, false); /* its ACK was lost: send another */
         return;
     }
     if (off >= (int32_t)c->window) {
@@ -506,7 +514,9 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
         rx_bit_set(c, c->rx_cum, false);
         c->rx_cum++;
     }
-    ack_need(c, h->path, h->psn, h->ts, now);
+    /* Held only while nothing is missing below it: a hole's SACK goes now. */
+    ack_need(c, h->path, h->psn, h->ts, now,
+             (h->flags & MRC_F_LAZY) && psn_lt(h->psn, c->rx_cum));
     rx_deliver_pt(c);
 }
 
@@ -560,7 +570,19 @@ void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, ui
     switch (h->type) {
     case MRC_PKT_WRITE:
     case MRC_PKT_SEND:
-        rx_data_pt(c, h, buf + MRC_DATA_HDR_LEN, now);
+        if (h->flags & MRC_F_ACKS) {
+            /* The ACK it carries first, as if it had come alone: what it
+             * acknowledges may free what this packet's delivery needs. */
+            const struct mrc_hdr *a = (const struct mrc_hdr *)(buf + MRC_DATA_HDR_LEN);
+            struct path *q = conn_path(c, a->path);
+            if (q)
+                tx_on_ack_pt(c, q, a, (const struct mrc_ack_ext *)(a + 1), now);
+            else
+                DROP(ep, BAD_ACK);
+            if (c->state != CONN_ACTIVE)
+                return;
+        }
+        rx_data_pt(c, h, buf + mrc_data_hdr_len(h), now);
         break;
     case MRC_PKT_ACK:
         tx_on_ack_pt(c, p, h, (const struct mrc_ack_ext *)(h + 1), now);
@@ -607,6 +629,85 @@ static struct path *ack_path(mrc_conn *c, const unsigned *ids, unsigned n)
     return p && !sock_batch_full_pt(c->ep, p->sock) ? p : NULL;
 }
 
+/* The echoes of one ACK, taken from `need` (path bits): at most
+ * 1 + MRC_ACK_ECHO_MAX, whose packets all lie in one SACK block; the rest are
+ * returned for another ACK. *base: where that block starts. */
+static unsigned ack_group(const mrc_conn *c, uint64_t need, unsigned *ids, uint64_t *rest,
+                          uint32_t *base)
+{
+    unsigned n = 0;
+    uint32_t near = 0, far = 0; /* echoes beyond the cumulative ack */
+    bool beyond = false;
+    *rest = 0;
+    while (need) {
+        unsigned id = (unsigned)__builtin_ctzll(need);
+        need &= need - 1;
+        uint32_t psn = c->ack_echo_psn[id];
+        if (n == 1 + MRC_ACK_ECHO_MAX) {
+            *rest |= 1ull << id;
+            continue;
+        }
+        if (psn_diff(psn, c->rx_cum) >= 0) {
+            uint32_t hi = beyond && psn_lt(psn, far) ? far : psn;
+            uint32_t lo = beyond && psn_lt(near, psn) ? near : psn;
+            if (psn_diff(hi, c->rx_cum) >= MRC_SACK_BITS && psn_diff(hi, lo) >= MRC_SACK_BITS) {
+                *rest |= 1ull << id; /* outside this ACK's block */
+                continue;
+            }
+            far = hi;
+            near = lo;
+            beyond = true;
+        }
+        ids[n++] = id;
+    }
+    /* The SACK block starts at the cumulative ack, or ends at the furthest
+     * echoed psn when that lies further out (then every echo is still inside
+     * it: grouped so above). */
+    *base = c->rx_cum;
+    if (beyond && psn_diff(far, *base) >= MRC_SACK_BITS)
+        *base = far - (MRC_SACK_BITS - 1);
+    return n;
+}
+
+/* Writes the ACK echoing ids[0..n) to buf; returns its length. */
+static size_t ack_write(const mrc_conn *c, uint8_t *buf, const unsigned *ids, unsigned n,
+                        uint32_t base)
+{
+    struct mrc_hdr *h = (struct mrc_hdr *)buf;
+    struct mrc_ack_ext *a = (struct mrc_ack_ext *)(h + 1);
+    struct mrc_ack_echo *e = (struct mrc_ack_echo *)(a + 1);
+    *h = (struct mrc_hdr){.magic = MRC_MAGIC, .version = MRC_WIRE_VERSION,
+                          .type = MRC_PKT_ACK, .path = (uint8_t)ids[0],
+                          .len = (uint16_t)((n - 1) * sizeof(*e)),
+                          .conn = c->peer_id, .psn = c->rx_cum,
+                          .ts = c->ack_echo_ts[ids[0]]};
+    for (unsigned k = 1; k < n; k++)
+        e[k - 1] = (struct mrc_ack_echo){.path = (uint8_t)ids[k],
+                                         .psn = c->ack_echo_psn[ids[k]],
+                                         .ts = c->ack_echo_ts[ids[k]],
+                                         .rx_ts = c->ack_echo_rx_ts[ids[k]]};
+    a->sack_base = base;
+    a->echo_psn = c->ack_echo_psn[ids[0]];
+    a->echo_rx_ts = c->ack_echo_rx_ts[ids[0]];
+    rx_sack_fill(c, base, a->sack);
+    return MRC_ACK_LEN + (n - 1) * sizeof(*e);
+}
+
+size_t rx_ack_carry_pt(mrc_conn *c, uint8_t *out)
+{
+    unsigned ids[1 + MRC_ACK_ECHO_MAX];
+    uint64_t rest;
+    uint32_t base;
+    if (!c->ack_need)
+        return 0;
+    unsigned n = ack_group(c, c->ack_need, ids, &rest, &base);
+    if (rest)
+        return 0; /* takes more than one ACK: rx_flush_acks_pt sends them */
+    c->ack_need = 0; /* it stays in ackq until the next flush passes it over */
+    c->ep->st.acks_carried++;
+    return ack_write(c, out, ids, n, base);
+}
+
 /* One ACK per connection that received data in the last pass: the SACK
  * block, and for each path the echo of the latest packet it delivered, whose
  * send time gives the sender that path's delay. Was one ACK per (connection,
@@ -614,43 +715,32 @@ static struct path *ack_path(mrc_conn *c, const unsigned *ids, unsigned n)
  * the datagrams the fabric forwarded for a collective. More than one ACK when
  * over 1 + MRC_ACK_ECHO_MAX paths delivered, or when the echoed packets lie
  * further apart than one SACK block spans: every echoed packet must be in its
- * ACK's block, or a packet echoed but never reported would time out. */
-void rx_flush_acks_pt(mrc_ep *ep)
+ * ACK's block, or a packet echoed but never reported would time out.
+ *
+ * An ACK owed only for LAZY packets waits (until MRC_ACK_DELAY_NS after the
+ * first) for DATA of this connection to carry it (tx.c, rx_ack_carry_pt):
+ * for back-to-back small collectives that is the next call's data, and one
+ * datagram in two the fabric forwarded was such an ACK. */
+void rx_flush_acks_pt(mrc_ep *ep, uint64_t now)
 {
-    while (ep->ackq) {
-        mrc_conn *c = ep->ackq;
-        ep->ackq = c->next_ack;
+    ep->ack_due_ns = UINT64_MAX;
+    for (mrc_conn **pp = &ep->ackq; *pp;) {
+        mrc_conn *c = *pp;
+        if (c->ack_need && !c->ack_now && now - c->ack_since < MRC_ACK_DELAY_NS) {
+            uint64_t due = c->ack_since + MRC_ACK_DELAY_NS;
+            if (due < ep->ack_due_ns)
+                ep->ack_due_ns = due;
+            pp = &c->next_ack;
+            continue;
+        }
+        *pp = c->next_ack;
         c->in_ackq = false;
         uint64_t need = c->ack_need;
         c->ack_need = 0;
         while (need) {
-            unsigned ids[1 + MRC_ACK_ECHO_MAX], n = 0;
-            uint32_t near = 0, far = 0; /* echoes beyond the cumulative ack */
-            bool beyond = false;
-            uint64_t rest = 0; /* for the next ACK */
-            while (need) {
-                unsigned id = (unsigned)__builtin_ctzll(need);
-                need &= need - 1;
-                uint32_t psn = c->ack_echo_psn[id];
-                if (n == 1 + MRC_ACK_ECHO_MAX) {
-                    rest |= 1ull << id;
-                    continue;
-                }
-                if (psn_diff(psn, c->rx_cum) >= 0) {
-                    uint32_t hi = beyond && psn_lt(psn, far) ? far : psn;
-                    uint32_t lo = beyond && psn_lt(near, psn) ? near : psn;
-                    if (psn_diff(hi, c->rx_cum) >= MRC_SACK_BITS &&
-                        psn_diff(hi, lo) >= MRC_SACK_BITS) {
-                        rest |= 1ull << id; /* outside this ACK's block */
-                        continue;
-                    }
-                    far = hi;
-                    near = lo;
-                    beyond = true;
-                }
-                ids[n++] = id;
-            }
-            need = rest;
+            unsigned ids[1 + MRC_ACK_ECHO_MAX];
+            uint32_t base;
+            unsigned n = ack_group(c, need, ids, &need, &base);
             struct path *p = ack_path(c, ids, n);
             if (!p)
                 continue;
@@ -659,31 +749,9 @@ void rx_flush_acks_pt(mrc_ep *ep)
                 p->injected++;
                 continue;
             }
-            size_t len = MRC_ACK_LEN + (n - 1) * sizeof(struct mrc_ack_echo);
-            uint8_t *buf = sock_tx_slot_pt(ep, p, len, NULL, 0);
-            struct mrc_hdr *h = (struct mrc_hdr *)buf;
-            struct mrc_ack_ext *a = (struct mrc_ack_ext *)(h + 1);
-            struct mrc_ack_echo *e = (struct mrc_ack_echo *)(a + 1);
-            *h = (struct mrc_hdr){.magic = MRC_MAGIC, .version = MRC_WIRE_VERSION,
-                                  .type = MRC_PKT_ACK, .path = (uint8_t)ids[0],
-                                  .len = (uint16_t)((n - 1) * sizeof(*e)),
-                                  .conn = c->peer_id, .psn = c->rx_cum,
-                                  .ts = c->ack_echo_ts[ids[0]]};
-            for (unsigned k = 1; k < n; k++)
-                e[k - 1] = (struct mrc_ack_echo){.path = (uint8_t)ids[k],
-                                                 .psn = c->ack_echo_psn[ids[k]],
-                                                 .ts = c->ack_echo_ts[ids[k]],
-                                                 .rx_ts = c->ack_echo_rx_ts[ids[k]]};
-            /* The SACK block starts at the cumulative ack, or ends at the
-             * furthest echoed psn when that lies further out (then every echo
-             * is still inside it: grouped so above). */
-            uint32_t base = c->rx_cum;
-            if (beyond && psn_diff(far, base) >= MRC_SACK_BITS)
-                base = far - (MRC_SACK_BITS - 1);
-            a->sack_base = base;
-            a->echo_psn = c->ack_echo_psn[ids[0]];
-            a->echo_rx_ts = c->ack_echo_rx_ts[ids[0]];
-            rx_sack_fill(c, base, a->sack);
+            uint8_t *buf = sock_tx_slot_pt(ep, p, MRC_ACK_LEN + (n - 1) * sizeof(struct mrc_ack_echo),
+                                           NULL, 0);
+            ack_write(c, buf, ids, n, base);
         }
     }
 }

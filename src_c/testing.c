@@ -18,7 +18,7 @@ void testing_rx_inject_pt(mrc_ep *ep, void *arg)
      * must see the same alignment as a real burst: copy into slot 0. */
     memcpy(ep->rxbuf, r->pkt, r->len);
     rx_packet_pt(ep, r->plane, &r->from, ep->rxbuf, r->len, now_ns());
-    rx_flush_acks_pt(ep);
+    rx_flush_acks_pt(ep, now_ns());
 }
 
 int mrc_ep_rx_inject(mrc_ep *ep, int plane, const void *pkt, size_t len, const char *src_addr,

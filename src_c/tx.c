@@ -50,14 +50,22 @@ static void tx_emit_pt(mrc_conn *c, struct tx_pkt *t, struct path *p, uint64_t n
         ep->st.drops[MRC_DROP_INJECTED]++;
         return;
     }
-    uint8_t *buf = sock_tx_slot_pt(ep, p, MRC_DATA_HDR_LEN, op->mr->addr + op->loff + t->off,
-                                   t->len);
+    /* An ACK this connection owes rides along when the datagram stays within
+     * the largest one (mss of payload): one datagram fewer each way. */
+    uint8_t ack[MRC_ACK_MAX_LEN];
+    size_t acklen = 0;
+    if (c->ack_need && t->len + MRC_ACK_MAX_LEN <= c->mss)
+        acklen = rx_ack_carry_pt(c, ack);
+    uint8_t *buf = sock_tx_slot_pt(ep, p, MRC_DATA_HDR_LEN + acklen,
+                                   op->mr->addr + op->loff + t->off, t->len);
     struct mrc_hdr *h = (struct mrc_hdr *)buf;
     struct mrc_data_ext *d = (struct mrc_data_ext *)(h + 1);
+    if (acklen)
+        memcpy(buf + MRC_DATA_HDR_LEN, ack, acklen);
     h->magic = MRC_MAGIC;
     h->version = MRC_WIRE_VERSION;
     h->type = op->kind == MRC_OP_WRITE ? MRC_PKT_WRITE : MRC_PKT_SEND;
-    h->flags = t->flags;
+    h->flags = (uint8_t)(t->flags | (acklen ? MRC_F_ACKS : 0));
     h->path = (uint8_t)p->id;
     h->len = (uint16_t)t->len;
     h->conn = c->peer_id;
@@ -82,6 +90,7 @@ static struct tx_pkt *tx_waiting(mrc_conn *c, uint32_t psn)
 static void tx_resend_pt(mrc_conn *c, struct tx_pkt *t, struct path *p, uint64_t now)
 {
     t->lost = 0;
+    t->flags &= (uint8_t)~MRC_F_LAZY; /* it was lost once: its ACK may not wait */
     t->ntx++;
     p->retx++;
     c->ep->st.retx++;
@@ -174,7 +183,8 @@ bool tx_run_pt(mrc_conn *c)
             .len = len,
             .psn = c->next_psn,
             .flags = (uint8_t)((op->seg_off == 0 ? MRC_F_FIRST : 0) | (last ? MRC_F_LAST : 0) |
-                               (op->flags & MRC_WRITE_IMM ? MRC_F_IMM : 0)),
+                               (op->flags & MRC_WRITE_IMM ? MRC_F_IMM : 0) |
+                               (op->flags & MRC_POST_LAZY_ACK ? MRC_F_LAZY : 0)),
         };
         c->next_psn++;
         op->seg_off += len;

@@ -1,6 +1,7 @@
 /* wire.c - validation and printing of mrc packets. */
 #include "wire.h"
 
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -35,6 +36,23 @@ int mrc_pkt_validate(const void *buf, size_t len, uint32_t max_payload)
     size_t fixed = pkt_fixed_len[h->type];
     if (len < fixed)
         return MRC_DROP_TRUNCATED;
+    bool data = h->type == MRC_PKT_WRITE || h->type == MRC_PKT_SEND;
+    if (data && (h->flags & MRC_F_ACKS)) {
+        /* The ACK it carries is held to everything a lone ACK is, and must
+         * be for the same connection. */
+        const uint8_t *in = (const uint8_t *)buf + MRC_DATA_HDR_LEN;
+        const struct mrc_hdr *a = (const struct mrc_hdr *)in;
+        if (len < MRC_DATA_HDR_LEN + MRC_ACK_LEN)
+            return MRC_DROP_TRUNCATED;
+        if (a->type != MRC_PKT_ACK || a->flags || a->conn != h->conn)
+            return MRC_DROP_BAD_ACK;
+        if (a->len > len - MRC_DATA_HDR_LEN - MRC_ACK_LEN)
+            return MRC_DROP_TRUNCATED;
+        int bad = mrc_pkt_validate(in, MRC_ACK_LEN + a->len, 0);
+        if (bad)
+            return bad;
+        fixed += MRC_ACK_LEN + a->len;
+    }
     /* Only DATA carries a payload, and an ACK its further echoes; the length
      * must match the datagram exactly: a mismatch means truncation or
      * trailing garbage. */
@@ -46,7 +64,7 @@ int mrc_pkt_validate(const void *buf, size_t len, uint32_t max_payload)
             return MRC_DROP_BAD_LENGTH;
         return 0;
     }
-    if (h->type != MRC_PKT_WRITE && h->type != MRC_PKT_SEND) {
+    if (!data) {
         if (h->len != 0)
             return MRC_DROP_BAD_LENGTH;
         return 0;
@@ -79,9 +97,9 @@ char *mrc_pkt_to_string(const void *pkt, size_t len, char *buf, size_t buflen)
         return buf;
     if ((h->type == MRC_PKT_WRITE || h->type == MRC_PKT_SEND) && len >= MRC_DATA_HDR_LEN) {
         const struct mrc_data_ext *d = (const void *)(h + 1);
-        snprintf(buf + n, buflen - (size_t)n, " msn=%u key=%#llx off=%llu msg_len=%llu",
+        snprintf(buf + n, buflen - (size_t)n, " msn=%u key=%#llx off=%llu msg_len=%llu%s",
                  (unsigned)d->msn, (unsigned long long)d->key, (unsigned long long)d->offset,
-                 (unsigned long long)d->msg_len);
+                 (unsigned long long)d->msg_len, h->flags & MRC_F_ACKS ? " +ACK" : "");
     } else if (h->type == MRC_PKT_ACK && len >= MRC_ACK_LEN) {
         const struct mrc_ack_ext *a = (const void *)(h + 1);
         snprintf(buf + n, buflen - (size_t)n, " sack_base=%u echo_psn=%u echoes=%u",

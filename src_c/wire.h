@@ -21,6 +21,8 @@
  * +---------------------------------------------------------------+
  *  DATA (WRITE, SEND) extension, 32 bytes:
  * |  msn  |  imm  |  key (WRITE: rkey; SEND: tag)  |  offset  |  msg_len  |
+ *  then, with flag ACKS, a whole ACK packet (header, extension, echoes) for
+ *  the same connection, then `payload length` bytes of payload.
  *  ACK extension, 80 bytes, then `payload length` / 24 further echoes:
  * |  sack_base  |  echo_psn  |  echo_rx_ts  |  sack bitmap, 512 bits        |
  * |  path | 0 0 0 |  psn  |  ts  |  rx_ts  |  (each further echo, 24 bytes) |
@@ -39,8 +41,9 @@
 
 #define MRC_MAGIC 0x4d52u
 /* 2: an ACK echoes every path that delivered; 3: each echo also says when the
- * receiver got that packet (its clock), for the path's one-way delay */
-#define MRC_WIRE_VERSION 3u
+ * receiver got that packet (its clock), for the path's one-way delay; 4: DATA
+ * may carry an ACK (flag ACKS) and say that its own ACK may wait (flag LAZY) */
+#define MRC_WIRE_VERSION 4u
 
 enum mrc_pkt_type {
     MRC_PKT_WRITE = 1,     /* DATA: RDMA WRITE into (key, offset) */
@@ -57,6 +60,11 @@ enum mrc_pkt_type {
 #define MRC_F_FIRST 0x01u /* first packet of a message */
 #define MRC_F_LAST 0x02u  /* last packet of a message */
 #define MRC_F_IMM 0x04u   /* WRITE with immediate: deliver imm when complete */
+/* Nobody waits for this packet's ACK (a send whose completion only frees a
+ * buffer later): the receiver may hold the ACK, up to MRC_ACK_DELAY_NS, for
+ * data of its own going back, which then carries it (MRC_F_ACKS). */
+#define MRC_F_LAZY 0x10u
+#define MRC_F_ACKS 0x20u  /* an ACK packet follows the data extension */
 /* CLOSE flags */
 #define MRC_F_CUM 0x08u   /* ts carries the closer's cumulative receive PSN */
 
@@ -127,6 +135,17 @@ enum {
 #define MRC_ACK_MAX_LEN (MRC_ACK_LEN + MRC_ACK_ECHO_MAX * sizeof(struct mrc_ack_echo))
 #define MRC_NAK_LEN (sizeof(struct mrc_hdr) + sizeof(struct mrc_nak_ext))
 #define MRC_CTRL_LEN (sizeof(struct mrc_hdr))
+/* The longest header before a DATA packet's payload: one carrying an ACK. */
+#define MRC_DATA_ACKS_MAX_LEN (MRC_DATA_HDR_LEN + MRC_ACK_MAX_LEN)
+
+/* Bytes before a well-formed DATA packet's payload (mrc_pkt_validate passed). */
+static inline size_t mrc_data_hdr_len(const struct mrc_hdr *h)
+{
+    if (!(h->flags & MRC_F_ACKS))
+        return MRC_DATA_HDR_LEN;
+    const struct mrc_hdr *a = (const struct mrc_hdr *)((const uint8_t *)h + MRC_DATA_HDR_LEN);
+    return MRC_DATA_HDR_LEN + MRC_ACK_LEN + a->len;
+}
 
 /* Checks that buf[0..len) is a well-formed packet: header, extension and
  * payload length agree, payload no larger than max_payload. Returns 0 or an

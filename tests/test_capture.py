@@ -70,6 +70,24 @@ def test_gso_datagram_splits_into_its_packets() -> None:
     assert [bytes(m[ms.MRCData].payload) for m in pkts[:3]] == body
 
 
+def test_data_carrying_an_ack_decodes_and_splits() -> None:
+    """Wire v4: DATA with flag ACKS holds a whole ACK packet between its extension and
+    its payload; the layer builds and reads it, and a GSO run of such packets splits."""
+    from scapy.all import IP, UDP, raw
+
+    ack = ms.MRC(type=3, conn=7, psn=40) / ms.MRCAck(echoes=[ms.MRCAckEcho(path=2, psn=39)])
+    pkt = ms.MRC(type=2, flags="FIRST+LAST+ACKS", conn=7, psn=9) / ms.MRCData(msg_len=5) / ack
+    data = raw(pkt / b"hello")
+    assert len(data) == 24 + 32 + 24 + 80 + 24 + 5
+    assert data[6:8] == b"\x05\x00" and data[56 + 6 : 56 + 8] == b"\x18\x00"
+    back = ms.MRC(data)
+    inner = back[ms.MRCData].payload
+    assert inner.type == 3 and inner.psn == 40 and inner[ms.MRCAck].echoes[0].path == 2
+    assert bytes(inner[ms.MRCAck].payload) == b"hello"
+    pkts = ms.decode_all(IP(raw(IP() / UDP(sport=1, dport=2) / (data + data + data[:30]))))
+    assert [(m.type, m.psn) for m in pkts] == [(2, 9), (2, 9)]
+
+
 def _acks_echo_both(pcap: Path, conn: int) -> bool:
     """Whether the capture so far holds an ACK to `conn` that echoes more than one path."""
     from scapy.utils import rdpcap

@@ -290,6 +290,38 @@ def test_back_to_back_small_calls_under_loss_give_identical_bits() -> None:
             assert bits(results[r][i]) == want, f"call {i} rank {r}"
 
 
+def test_small_calls_carry_each_others_acks() -> None:
+    """A small call's SENDs are LAZY (wire v4): the receiver holds their ACKs for a
+    moment and the DATA of its next call carries them, one datagram instead of two.
+    Over a loop of calls most ACKs go that way, every call's bits are right, and the
+    carried ACKs do what a lone one does: the SENDs complete (the next calls could not
+    reuse their bounce slots otherwise), none is refused."""
+    n, calls = 3, 300
+    with mesh(n) as rs:
+        before = [rk.endpoint.stats() for rk in rs]
+
+        def go(rk):
+            outs = []
+            for i in range(calls):
+                x = data("float32", 1 + i % 5, 7 * i + rk.rank)
+                outs.append(rk.all_reduce(x, np.empty_like(x)))
+            return outs
+
+        results = ok(run_ranks(rs, go))
+        after = [rk.endpoint.stats() for rk in rs]
+    for i in range(calls):
+        ins = [data("float32", 1 + i % 5, 7 * i + r) for r in range(n)]
+        want = bits(M.reference(ins, "float32", "sum"))
+        assert all(bits(results[r][i]) == want for r in range(n)), f"call {i}"
+    for r in range(n):
+        carried = after[r]["acks_carried"] - before[r]["acks_carried"]
+        alone = after[r]["acks_tx"] - before[r]["acks_tx"]
+        # (n - 1) messages in per call; a held ACK that found no DATA within
+        # MRC_ACK_DELAY_NS went alone (a slow start, the last call)
+        assert carried >= calls * (n - 1) // 4, (r, carried, alone)
+        assert after[r]["drops"]["bad_ack"] == before[r]["drops"]["bad_ack"]
+
+
 # ---- misuse and failures -----------------------------------------------------
 
 

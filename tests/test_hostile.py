@@ -213,6 +213,40 @@ def test_bad_key_and_bounds_are_dropped_and_counted() -> None:
 
 
 @needs_root
+def test_a_carried_ack_is_held_to_a_lone_acks_rules() -> None:
+    """DATA may carry an ACK (flag ACKS, wire v4). One of another connection, one that
+    is no ACK, or one whose echoes run past the datagram drops the whole packet (its
+    data is not written). One whose path the connection lacks is dropped as a lone ACK
+    would be, while its DATA, which is good, lands."""
+    with live() as lv:
+        nxt, msn = lv.last.psn + 1, lv.last[ms.MRCData].msn + 1
+        body = b"\xee" * 100
+
+        def carrying(conn: int, kind: int = 3, path: int = 0, ack_len: int | None = None) -> bytes:
+            h = hdr(type=1, flags="FIRST+LAST+ACKS", conn=lv.b_conn, psn=nxt, ts=1)
+            ext = ms.MRCData(msn=msn & 0xFFFFFFFF, key=lv.mr.key, offset=0, msg_len=len(body))
+            ack = hdr(type=kind, conn=conn, path=path, len=ack_len) / ms.MRCAck()
+            return bytes(h / ext / ack / body)
+
+        cases = [
+            ("another connection's ACK", carrying(lv.a_conn), "bad_ack"),
+            ("no ACK inside", carrying(lv.b_conn, kind=2), "bad_ack"),
+            ("echoes past the datagram", carrying(lv.b_conn, ack_len=7 * 24), "truncated"),
+            ("echoes not whole", carrying(lv.b_conn, ack_len=20), "bad_length"),
+        ]
+        for what, pkt, reason in cases:
+            snap = lv.snapshot()
+            assert inject(lv.p.b, pkt, A_ADDR) == {reason: 1}, what
+            assert_untouched(lv, snap)
+        assert_healthy(lv)
+        # Last, as it takes a PSN of the real sender's: one past assert_healthy's write
+        # (one message, fewer than 64 packets), placed on arrival (no reorder buffer).
+        nxt, msn = nxt + 64, msn + 1
+        assert inject(lv.p.b, carrying(lv.b_conn, path=40), A_ADDR) == {"bad_ack": 1}
+        assert bytes(lv.region[:100]) == body
+
+
+@needs_root
 def test_header_checks_in_order() -> None:
     with live() as lv:
         good = write_pkt(

@@ -177,6 +177,27 @@ static void fixup(uint8_t *pkt, size_t len, uint8_t mode, bool to_sender)
     uint32_t span = c->window + 16;
     uint32_t base = to_sender ? c->una : c->rx_cum;
     h.psn = base + h.psn % span - 8;
+    /* DATA carrying an ACK (flag ACKS): that ACK well-formed too, for c's own
+     * sends, its echoes and PSNs fuzzed as a lone ACK's are. */
+    if (h.type <= MRC_PKT_SEND && (h.flags & MRC_F_ACKS) &&
+        len >= MRC_DATA_HDR_LEN + MRC_ACK_LEN) {
+        struct mrc_hdr a;
+        memcpy(&a, pkt + MRC_DATA_HDR_LEN, sizeof(a));
+        size_t room = len - MRC_DATA_HDR_LEN - MRC_ACK_LEN;
+        size_t echoes = a.len % (MRC_ACK_ECHO_MAX + 1);
+        if (echoes * sizeof(struct mrc_ack_echo) > room)
+            echoes = room / sizeof(struct mrc_ack_echo);
+        a.magic = MRC_MAGIC;
+        a.version = MRC_WIRE_VERSION;
+        a.type = MRC_PKT_ACK;
+        a.flags = 0;
+        a.conn = h.conn;
+        a.path = a.path & 1 ? a.path : 0;
+        a.len = (uint16_t)(echoes * sizeof(struct mrc_ack_echo));
+        a.psn = c->una + a.psn % span - 8;
+        memcpy(pkt + MRC_DATA_HDR_LEN, &a, sizeof(a));
+        h.len = (uint16_t)(room - a.len);
+    }
     memcpy(pkt, &h, sizeof(h));
     for (size_t off = MRC_ACK_LEN; h.type == MRC_PKT_ACK && off < MRC_ACK_LEN + h.len;
          off += sizeof(struct mrc_ack_echo))

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from helpers import connected_pair, pattern  # noqa: E402
 
-from mrc.scapy import MRC, PKT_TYPES, decode  # noqa: E402
+from mrc.scapy import F_ACKS, MRC, PKT_TYPES, decode  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "corpus"
 PER_TYPE = 8
@@ -66,6 +66,18 @@ def main() -> None:
             seed = bytes([mode]) + data
             digest = hashlib.sha1(seed).hexdigest()[:12]
             (OUT / f"{name.lower()}-{digest}").write_bytes(seed)
+    # DATA carrying an ACK (wire v4, flag ACKS), from a real SEND and a real ACK: the
+    # plain transfer above sends none (its operations are not MRC_POST_LAZY_ACK).
+    sends = [d for d in seen if d[3] == 2]
+    acks = [d for d in seen if d[3] == 3]
+    for d, a in list(zip(sorted(sends), sorted(acks)))[:PER_TYPE]:
+        carried = a[:4] + bytes([0]) + a[5:8] + d[8:12] + a[12:]  # the SEND's connection
+        data = d[:4] + bytes([d[4] | F_ACKS]) + d[5:56] + carried + d[56:]
+        for mode in (2, 0):
+            seed = bytes([mode]) + data
+            digest = hashlib.sha1(seed).hexdigest()[:12]
+            (OUT / f"send_ack-{digest}").write_bytes(seed)
+        kept["SEND+ACK"] = kept.get("SEND+ACK", 0) + 1
     print(f"{sum(kept.values())} packets kept ({kept}) in {OUT}")
 
 

@@ -273,7 +273,7 @@ int mrc_conn_set_cq(mrc_conn *c, mrc_cq *cq, uint64_t ctx);
 /* One work request: the general form of mrc_post_write/send/recv. */
 struct mrc_wr {
     int kind;                  /* MRC_OP_WRITE, MRC_OP_SEND, MRC_OP_RECV */
-    int flags;                 /* MRC_WRITE_IMM, MRC_POST_MORE */
+    int flags;                 /* MRC_WRITE_IMM, MRC_POST_MORE, MRC_POST_LAZY_ACK */
     mrc_mr *mr;                /* local region */
     uint64_t loff, len;
     uint64_t rkey, roff;       /* WRITE */
@@ -290,6 +290,12 @@ int mrc_post(mrc_conn *c, const struct mrc_wr *wr, mrc_op **out);
  * not woken for this one (sendmmsg's MSG_MORE idea: one wake-up, one drain for
  * a batch); a later post without it, or mrc_ep_kick(), wakes it. */
 #define MRC_POST_MORE 0x100
+/* MRC_POST_LAZY_ACK (WRITE, SEND): nothing waits on this operation's completion
+ * soon (it only frees a buffer that is not needed again at once), so the
+ * receiver may hold its ACKs a moment for data going back to carry them: one
+ * datagram instead of two per message each way for small back-to-back
+ * exchanges. The completion may come up to 0.5 ms later. */
+#define MRC_POST_LAZY_ACK 0x200
 void mrc_ep_kick(mrc_ep *ep);
 
 /* ---- collectives: reductions (reduce.c) ----------------------------------
@@ -472,6 +478,8 @@ struct mrc_ep_stats {
     uint64_t rx_reads;       /* datagrams read from sockets (a UDP GRO read counts once) */
     uint64_t rx_gro_reads;   /* reads that held several packets, coalesced by UDP GRO */
     uint64_t tx_sends;       /* datagrams handed to the kernel (a UDP GSO batch counts once) */
+    uint64_t acks_carried;   /* ACKs that went in DATA packets (MRC_POST_LAZY_ACK); acks_tx
+                              * counts those that went alone */
     int nconns;
     int npaths;     /* entries filled in paths[] */
     int nsocks;     /* UDP sockets: one per plane + one per (plane, SRv6 route to a spine) */

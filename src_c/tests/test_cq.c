@@ -458,8 +458,13 @@ static void wait_min_and_more(void)
         sched_yield();
     /* The usage check still refuses unknown flags. */
     struct mrc_wr bad = w;
-    bad.flags = 0x200;
+    bad.flags = 0x400;
     CHECK(mrc_post(ca[0], &bad, NULL) == MRC_EUSAGE);
+    /* A RECV has no ACKs to make lazy. */
+    struct mrc_wr lazy_recv = r;
+    lazy_recv.flags = MRC_POST_LAZY_ACK;
+    lazy_recv.cq = NULL;
+    CHECK(mrc_post(cb[0], &lazy_recv, &op) == MRC_EUSAGE);
     CHECK_RC(mrc_mr_dereg(ms));
     CHECK_RC(mrc_mr_dereg(md));
     CHECK_RC(mrc_cq_destroy(cqa));

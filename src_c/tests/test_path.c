@@ -181,7 +181,7 @@ static void arrive_psns(const int *ids, const uint32_t *psn, int n)
     c->in_ackq = true;
     c->next_ack = NULL;
     ep->ackq = c;
-    rx_flush_acks_pt(ep);
+    rx_flush_acks_pt(ep, now_ns());
 }
 
 /* The same with psn 90 + id on path id (below rx_cum in the tests: delivered). */

@@ -19,8 +19,71 @@ static size_t data_pkt(uint8_t *buf, uint16_t len, uint64_t off, uint64_t msg_le
     return MRC_DATA_HDR_LEN + len;
 }
 
+/* A SEND of `len` payload bytes carrying an ACK with `echoes` further echoes. */
+static size_t data_ack_pkt(uint8_t *buf, uint16_t len, unsigned echoes)
+{
+    size_t acklen = MRC_ACK_LEN + echoes * sizeof(struct mrc_ack_echo);
+    memset(buf, 0, MRC_DATA_HDR_LEN + acklen + len);
+    struct mrc_hdr *h = (struct mrc_hdr *)buf;
+    struct mrc_data_ext *d = (struct mrc_data_ext *)(h + 1);
+    struct mrc_hdr *a = (struct mrc_hdr *)(buf + MRC_DATA_HDR_LEN);
+    *h = (struct mrc_hdr){.magic = MRC_MAGIC, .version = MRC_WIRE_VERSION, .type = MRC_PKT_SEND,
+                          .flags = MRC_F_FIRST | MRC_F_LAST | MRC_F_ACKS, .len = len,
+                          .conn = 7};
+    d->msg_len = len;
+    *a = (struct mrc_hdr){.magic = MRC_MAGIC, .version = MRC_WIRE_VERSION, .type = MRC_PKT_ACK,
+                          .len = (uint16_t)(echoes * sizeof(struct mrc_ack_echo)), .conn = 7};
+    memset(buf + MRC_DATA_HDR_LEN + acklen, 0xab, len);
+    return MRC_DATA_HDR_LEN + acklen + len;
+}
+
+/* DATA carrying an ACK (flag ACKS): the ACK inside is held to what a lone ACK
+ * is, belongs to the same connection, and the payload follows it. */
+static void carried_acks(void)
+{
+    static uint8_t buf[MRC_DATA_ACKS_MAX_LEN + 64];
+    for (unsigned e = 0; e <= MRC_ACK_ECHO_MAX; e++) {
+        size_t n = data_ack_pkt(buf, 8, e);
+        const struct mrc_hdr *h = (const struct mrc_hdr *)buf;
+        CHECK(mrc_pkt_validate(buf, n, 8192) == 0);
+        CHECK(mrc_data_hdr_len(h) == n - 8);
+        CHECK(buf[mrc_data_hdr_len(h)] == 0xab);
+        for (size_t cut = 0; cut < n; cut++) /* every truncation is caught */
+            CHECK(mrc_pkt_validate(buf, cut, 8192) != 0);
+        CHECK(mrc_pkt_validate(buf, n + 1, 8192) == MRC_DROP_BAD_LENGTH);
+    }
+    size_t n = data_ack_pkt(buf, 8, 1);
+    struct mrc_hdr *a = (struct mrc_hdr *)(buf + MRC_DATA_HDR_LEN);
+    a->conn = 8; /* another connection's */
+    CHECK(mrc_pkt_validate(buf, n, 8192) == MRC_DROP_BAD_ACK);
+    a->conn = 7;
+    a->type = MRC_PKT_SEND; /* not an ACK */
+    CHECK(mrc_pkt_validate(buf, n, 8192) == MRC_DROP_BAD_ACK);
+    a->type = MRC_PKT_ACK;
+    a->flags = MRC_F_ACKS; /* no nesting, no flags */
+    CHECK(mrc_pkt_validate(buf, n, 8192) == MRC_DROP_BAD_ACK);
+    a->flags = 0;
+    a->version = MRC_WIRE_VERSION - 1;
+    CHECK(mrc_pkt_validate(buf, n, 8192) == MRC_DROP_BAD_VERSION);
+    a->version = MRC_WIRE_VERSION;
+    a->magic = 0;
+    CHECK(mrc_pkt_validate(buf, n, 8192) == MRC_DROP_BAD_MAGIC);
+    a->magic = MRC_MAGIC;
+    a->len = 17; /* not whole echoes (the payload makes up the bytes) */
+    CHECK(mrc_pkt_validate(buf, n, 8192) == MRC_DROP_BAD_LENGTH);
+    a->len = 4000; /* beyond the datagram */
+    CHECK(mrc_pkt_validate(buf, n, 8192) == MRC_DROP_TRUNCATED);
+    n = data_ack_pkt(buf, 0, 0);
+    a->len = 0;
+    ((struct mrc_hdr *)buf)->len = 0;
+    CHECK(mrc_pkt_validate(buf, n, 8192) == 0);
+    char s[200];
+    CHECK(strstr(mrc_pkt_to_string(buf, n, s, sizeof(s)), "+ACK") != NULL);
+}
+
 int main(void)
 {
+    carried_acks();
     static uint8_t buf[MRC_DATA_HDR_LEN + 9000];
     size_t n = data_pkt(buf, 100, 0, 100);
     CHECK(mrc_pkt_validate(buf, n, 8192) == 0);
