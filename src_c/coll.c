@@ -39,13 +39,15 @@
  * the caller's buffers costs four round trips to the progress thread, which
  * is most of a small collective's latency. */
 #define BOUNCE_BYTES (256u << 10)
-/* The bounce region has two slots of BOUNCE_BYTES. A bounced call whose send
- * copy nothing writes (its own slot, apart from the recv copy) does not wait
- * for its SENDs of that copy to be acknowledged: they are marked done when
- * posted and complete in the background ("early" sends, ctx bit 63, slot in
- * bit 62); the next call uses the other slot, and a slot is reused only once
- * its early sends completed. A small all_reduce so waits only for its RECVs:
- * the acknowledgements' round trip and wake-up leave its critical path. */
+/* The bounce region has two slots of BOUNCE_BYTES. A bounced call (send and
+ * recv copies apart in the slot) does not wait for the acknowledgement of a
+ * SEND whose bytes nothing in the call writes once it is posted (no step
+ * writes them but the SEND's own dependencies, chunk for chunk): it is
+ * marked done when posted and completes in the background ("early" sends,
+ * ctx bit 63, slot in bit 62); the next call uses the other slot, and a slot
+ * is reused only once its early sends completed. A small all_reduce so waits
+ * only for its RECVs (its all-gather's SENDs of the reduced shares too): the
+ * acknowledgements' round trip and wake-up leave its critical path. */
 #define CTX_EARLY (1ull << 63)
 #define CTX_SLOT (1ull << 62)
 
@@ -81,6 +83,7 @@ struct step_rt {
     uint32_t nchunks, next, ndone, inflight;
     uint8_t *done;          /* per chunk */
     int ring;               /* scratch ring this step produces, or -1 */
+    bool settled;           /* SEND: nothing writes its bytes once posted (early_sends) */
 };
 
 struct ring_rt {
@@ -105,8 +108,7 @@ struct run {
     size_t esize;
     uint32_t steps_done;
     int rc, failed_peer;
-    bool early;             /* SENDs from the send buffer are early (see BOUNCE_BYTES) */
-    bool send_written;      /* some step writes the send buffer */
+    bool early;             /* settled SENDs are early (bounced apart: see BOUNCE_BYTES) */
 };
 
 static uint64_t now_ms(void)
@@ -297,8 +299,6 @@ static int check_plan(struct run *r)
         default:
             return MRC_EUSAGE;
         }
-        if (t->kind != MRC_STEP_SEND && p->refs[t->dst].buf == MRC_BUF_SEND)
-            r->send_written = true;
         if (t->kind != MRC_STEP_SEND && p->refs[t->dst].buf == MRC_BUF_SCRATCH) {
             uint32_t k = (uint32_t)p->refs[t->dst].off;
             if (r->rings[k].producer >= 0)
@@ -308,6 +308,40 @@ static int check_plan(struct run *r)
         }
     }
     return 0;
+}
+
+/* Whether a step writes bytes of the SEND s reads, other than as one of its
+ * dependencies that writes the same bytes in the same chunks (so chunk i of
+ * s, posted after that dependency's chunk i, is never written again) or
+ * before s starts at all (another chunk count: s waits for all of it). */
+static bool written_under(const struct run *r, uint32_t s, uint32_t w)
+{
+    const struct mrc_coll_plan *p = r->p;
+    const struct mrc_coll_step *t = &p->steps[s], *u = &p->steps[w];
+    const struct mrc_coll_ref *src = &p->refs[t->src], *dst = &p->refs[u->dst];
+    if (w == s || u->kind == MRC_STEP_SEND || dst->buf != src->buf)
+        return false;
+    if (!(dst->off < src->off + t->len && src->off < dst->off + u->len) || !t->len || !u->len)
+        return false;
+    for (uint32_t d = 0; d < t->ndeps; d++)
+        if (p->deps[t->dep + d] == w)
+            return r->st[w].nchunks == r->st[s].nchunks && dst->off != src->off;
+    return true;
+}
+
+/* The SENDs from the call's buffers that may be early (BOUNCE_BYTES). */
+static void early_sends(struct run *r)
+{
+    const struct mrc_coll_plan *p = r->p;
+    for (uint32_t s = 0; s < p->nsteps; s++) {
+        const struct mrc_coll_step *t = &p->steps[s];
+        if (t->kind != MRC_STEP_SEND || p->refs[t->src].buf == MRC_BUF_SCRATCH)
+            continue;
+        bool settled = true;
+        for (uint32_t w = 0; w < p->nsteps && settled; w++)
+            settled = !written_under(r, s, w);
+        r->st[s].settled = settled;
+    }
 }
 
 /* Consumers of each ring; each must depend on the producer, chunk for chunk. */
@@ -515,7 +549,7 @@ static int post_chunk(struct run *r, uint32_t s, uint32_t i)
     }
     if (!wr.len)
         wr.loff = 0; /* an empty chunk may sit at the end of its buffer */
-    bool early = r->early && t->kind == MRC_STEP_SEND && r->p->refs[t->src].buf == MRC_BUF_SEND;
+    bool early = r->early && t->kind == MRC_STEP_SEND && r->st[s].settled;
     if (early) {
         wr.ctx |= CTX_EARLY | (c->slot ? CTX_SLOT : 0);
         wr.cq = c->bg;
@@ -877,7 +911,9 @@ static int bounce_in(mrc_coll *c, struct run *r, const struct mrc_coll_args *a)
     c->mr_base[0] = (uint64_t)k * BOUNCE_BYTES;
     c->mr_base[1] = c->mr_base[0] + roff;
     c->bounced = true;
-    r->early = roff != 0 && !r->send_written;
+    r->early = roff != 0;
+    if (r->early)
+        early_sends(r);
     return 0;
 }
 

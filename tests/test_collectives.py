@@ -256,8 +256,9 @@ def test_plane_failed_mid_all_reduce_gives_identical_bits() -> None:
 
 def test_back_to_back_small_calls_under_loss_give_identical_bits() -> None:
     """Small calls return once their RECVs are in: their SENDs (from a bounce
-    copy) are acknowledged in the background, and the next call uses the other
-    bounce slot. Under 20% loss those SENDs are retransmitted after their call
+    copy, the direct schedule's all-gather SENDs of the reduced share too) are
+    acknowledged in the background, and the next call uses the other bounce
+    slot. Under 20% loss those SENDs are retransmitted after their call
     returned, from the copy, so a slot reused too early would show in the bits:
     every call here has other inputs and its result is checked."""
     n, calls = 3, 60
@@ -271,12 +272,14 @@ def test_back_to_back_small_calls_under_loss_give_identical_bits() -> None:
             for i in range(calls):
                 count = (0, 1, 7, 1000, 5000)[i % 5]
                 x = data("float32", count, 1000 * i + rk.rank)
-                if i % 3 == 0:
+                if i % 4 == 0:
                     outs.append(rk.all_reduce(x))  # in place
-                elif i % 3 == 1:
+                elif i % 4 == 1:
                     outs.append(rk.all_reduce(x, np.empty_like(x)))
-                else:
+                elif i % 4 == 2:  # the all-gather's SENDs of the reduced share are early too
                     outs.append(rk.all_reduce(x, np.empty_like(x), algo="direct"))
+                else:
+                    outs.append(rk.all_reduce(x, algo="direct"))
                 if i % 7 == 6:
                     rk.barrier()
             return outs

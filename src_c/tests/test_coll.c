@@ -263,6 +263,55 @@ static void test_abort(void)
 }
 
 /* A plan that breaks the rules is refused before anything is posted. */
+/* A bounced call returns without waiting for a SEND's acknowledgement only if
+ * nothing in the call writes its bytes after it is posted (coll.c, "early"
+ * sends). Here each rank copies its input into recv, SENDs that to the next
+ * rank, then RECVs the previous rank's into the same bytes, after the SEND
+ * (write after read): under loss a SEND that did not wait would be
+ * retransmitted from bytes the RECV had overwritten, and the next rank would
+ * get the wrong data. The chain's first SEND and the ring's result say it
+ * did wait. */
+static void test_write_after_send(void)
+{
+    enum { LEN = 40000, ROUNDS = 20 };
+    static struct job jobs[NR];
+    static uint8_t in[NR][LEN], out[NR][LEN];
+    for (int r = 0; r < NR; r++)
+        for (int pl = 0; pl < NPL; pl++)
+            CHECK_RC(mrc_ep_inject(eps[r], pl, 0.3, 0));
+    for (int round = 0; round < ROUNDS; round++) {
+        for (int r = 0; r < NR; r++) {
+            for (int i = 0; i < LEN; i++)
+                in[r][i] = (uint8_t)(i * 7 + r * 31 + round);
+            struct plan *pl = &jobs[r].plan;
+            memset(pl, 0, sizeof(*pl));
+            uint32_t cp = step(pl, MRC_STEP_COPY, -1, 0, LEN);
+            pl->steps[cp].src = ref(pl, MRC_BUF_SEND, 0), pl->steps[cp].nsrc = 1;
+            pl->steps[cp].dst = ref(pl, MRC_BUF_RECV, 0);
+            uint32_t sd = step(pl, MRC_STEP_SEND, (r + 1) % NR, 0, LEN);
+            pl->steps[sd].src = ref(pl, MRC_BUF_RECV, 0), pl->steps[sd].nsrc = 1;
+            dep(pl, sd, cp);
+            uint32_t rv = step(pl, MRC_STEP_RECV, (r + NR - 1) % NR, 0, LEN);
+            pl->steps[rv].dst = ref(pl, MRC_BUF_RECV, 0);
+            dep(pl, rv, sd);
+            pl->p.steps = pl->steps, pl->p.refs = pl->refs, pl->p.deps = pl->deps;
+            jobs[r].rank = r;
+            jobs[r].args = (struct mrc_coll_args){.send = in[r], .send_len = LEN, .recv = out[r],
+                                                  .recv_len = LEN, .dtype = MRC_UINT8,
+                                                  .op = MRC_SUM, .sig = 0x77,
+                                                  .timeout_ms = 10000};
+        }
+        run_all(jobs);
+        for (int r = 0; r < NR; r++) {
+            CHECK_RC(jobs[r].rc);
+            CHECK(memcmp(out[r], in[(r + NR - 1) % NR], LEN) == 0);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int pl = 0; pl < NPL; pl++)
+            CHECK_RC(mrc_ep_inject(eps[r], pl, 0, 0));
+}
+
 static void test_bad_plan(void)
 {
     struct plan pl;
@@ -294,6 +343,7 @@ int main(void)
     teardown();
     setup(0, 0); /* defaults */
     test_all_reduce(300000, 1, MRC_FLOAT32, MRC_MAX);
+    test_write_after_send();
     test_abort();
     teardown();
     DONE("test_coll");
