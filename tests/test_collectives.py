@@ -14,6 +14,7 @@ from coll_helpers import mesh, ok, run_ranks
 
 from mrc import _datapath
 from mrc.collectives import ops as O
+from mrc.collectives import schedule as S
 from mrc.collectives import simulate as M
 from mrc.errors import CollectiveError, UsageError
 
@@ -89,6 +90,23 @@ def test_all_reduce_every_op_and_dtype(ranks, algo: str) -> None:
 
                 for r, got in enumerate(ok(run_ranks(ranks, go))):
                     assert bits(got) == want, f"{dtype} {op} count {count} rank {r}"
+
+
+def test_auto_gathers_up_to_the_threshold_for_its_rank_count(ranks) -> None:
+    """algo="auto": "gather" up to schedule.gather_max_bytes(n), "direct" past it, on
+    every rank alike (the call's signature holds the choice), with the same bits."""
+    n = len(ranks)
+    top = S.gather_max_bytes(n) // 4
+    for count, want in ((top, "all_reduce_gather"), (top + 1, "all_reduce")):
+        ins = [data("float32", count, 50 + r) for r in range(n)]
+
+        def go(rk, ins=ins):
+            out = rk.all_reduce(ins[rk.rank], np.empty_like(ins[rk.rank]))
+            return out, rk.collective_stats()["last"]["schedule"]
+
+        got = ok(run_ranks(ranks, go))
+        ref = bits(M.reference(ins, "float32", "sum"))
+        assert all(bits(o) == ref and sched == want for o, sched in got), (count, want)
 
 
 def test_reduce_and_reduce_scatter(ranks) -> None:

@@ -134,3 +134,27 @@ def test_simulator_catches_a_send_buffer_overwritten_in_flight() -> None:
                 chunk=8,
                 seed=seed,
             )
+
+
+def test_gather_threshold_follows_the_alpha_beta_model() -> None:
+    """auto's gather/direct line: at the threshold gather is no slower than direct in the
+    model the constant comes from (alpha B = GATHER_ALPHA_B), past it (below the cap)
+    direct is faster; it falls with n, and 2 ranks always gather up to the cap."""
+    k = S.GATHER_ALPHA_B  # alpha B; times below in units of alpha
+
+    def gather(n: int, s: int) -> float:
+        return 1 + (n - 1) * s / k
+
+    def direct(n: int, s: int) -> float:
+        return 2 + 2 * (n - 1) * s / (n * k)
+
+    assert S.gather_max_bytes(2) == S.GATHER_CAP
+    last = S.GATHER_CAP
+    for n in range(3, 257):
+        t = S.gather_max_bytes(n)
+        assert 0 < t <= last and t <= S.GATHER_CAP, n
+        last = t
+        assert gather(n, t) <= direct(n, t) + 1e-9, n
+        if t < S.GATHER_CAP:
+            assert gather(n, t + 8) > direct(n, t + 8), n
+    assert S.gather_max_bytes(4) == 96 << 10

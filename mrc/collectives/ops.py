@@ -407,8 +407,9 @@ class Collectives:
         recv None: in place. shares: each rank's fraction of the elements it
         reduces (the same on every rank; default equal). algo: "direct"
         (reduce-scatter + all-gather), "gather" (everyone sends everyone its
-        input: one exchange, for small messages) or "auto" (gather up to 16 KiB
-        without shares); every algo gives the same bits. Returns recv."""
+        input: one exchange, for small messages) or "auto" (gather without shares up
+        to schedule.gather_max_bytes(n): 96 KiB at 4 ranks, 27 KiB at 8, 11 KiB at
+        16); every algo gives the same bits. Returns recv."""
         if type(send) is np.ndarray and shares is None and dtype is None and not async_op:
             call = self._coll_calls.get(("all_reduce", send.dtype, send.size, op, algo))
             if call is not None and self._repeat(call, send, recv):
@@ -425,7 +426,7 @@ class Collectives:
         if sh is not None and len(sh) != self.size:
             raise UsageError(f"all_reduce: shares has {len(sh)} entries for {self.size} ranks")
         if algo == "auto":
-            small = s.count * s.esize <= S.GATHER_MAX_BYTES and sh is None
+            small = s.count * s.esize <= S.gather_max_bytes(self.size) and sh is None
             algo = "gather" if small else "direct"
         if algo not in ("direct", "gather"):
             raise UsageError(f"all_reduce: algo must be auto, direct or gather, got {algo!r}")

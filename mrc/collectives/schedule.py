@@ -336,7 +336,24 @@ def all_reduce(
     return sch
 
 
-GATHER_MAX_BYTES = 16 << 10  # all_reduce below this: one exchange instead of two
+# all_reduce "auto": "gather" (one exchange, (n-1) x the bytes out) while that beats "direct"
+# (two exchanges, 2(n-1)/n x the bytes). With alpha per exchange and B a rank's rate,
+# alpha + (n-1)S/B < 2 alpha + 2(n-1)S/(nB) while S < alpha B n / ((n-1)(n-2)).
+# GATHER_ALPHA_B is alpha B as measured on the shaped 4 x 1 Gbit/s fabric (2 cores, where
+# an exchange costs about 250 us): gather was faster at n = 4 up to 64 KiB (657-669 vs
+# 723-905 us), direct from 128 KiB (931 vs 1057-1193 us); at n = 3 gather up to 128 KiB,
+# at n = 2 always. Faster fabrics have a larger alpha B (a NIC's microseconds times its
+# rate), so this errs towards direct there. The bound keeps both copies of an in-place
+# call in one bounce slot, where its sends need not wait for their ACKs (src_c/coll.c).
+GATHER_ALPHA_B = 144 << 10
+GATHER_CAP = 128 << 10
+
+
+def gather_max_bytes(n: int) -> int:
+    """The largest all_reduce (bytes per rank) that "auto" runs as "gather" at n ranks."""
+    if n <= 2:
+        return GATHER_CAP
+    return min(GATHER_CAP, GATHER_ALPHA_B * n // ((n - 1) * (n - 2)))
 
 
 def _all_reduce_gather(rank: int, n: int, nbytes: int, avg: bool) -> Schedule:
