@@ -785,7 +785,9 @@ static int main_loop(struct run *r)
 
 /* After a mismatch, let this rank's own SENDs reach their peers (bounded by
  * the timeout), so that every rank sees the mismatch itself rather than a
- * connection closed under it. */
+ * connection closed under it. Early ones too: their acknowledgement says the
+ * peer holds the data that shows it the mismatch, before this rank returns
+ * and perhaps exits (which its peers hear of from the rendezvous). */
 static void flush_sends(struct run *r)
 {
     uint64_t until = now_ms() + (uint64_t)(r->a->timeout_ms > 0 ? r->a->timeout_ms : 1000);
@@ -793,9 +795,10 @@ static void flush_sends(struct run *r)
         bool sending = false;
         for (int q = 0; q < 2 * r->c->nranks; q += 2)
             sending |= r->inflight[q] > 0;
-        if (!sending || now_ms() > until || atomic_load(&r->c->aborted))
+        if ((!sending && !r->c->lingering) || now_ms() > until || atomic_load(&r->c->aborted))
             return;
-        if (reap(r, WAIT_SLICE_MS) < 0)
+        int n = sending ? reap(r, WAIT_SLICE_MS) : reap_q(r, r->c->bg, WAIT_SLICE_MS, 1);
+        if (n < 0)
             return;
     }
 }

@@ -219,6 +219,12 @@ static void test_mismatch(void)
     for (int r = 0; r < NR; r++) {
         CHECK(jobs[r].rc == MRC_EMISMATCH);
         CHECK(jobs[r].failed >= 0 && jobs[r].failed != r);
+        /* A rank returns from a mismatch only once what it sent is acknowledged
+         * (early sends too, whose ACKs a peer holds a while): its peers have
+         * the data that shows them the mismatch even if this rank exits now. */
+        struct mrc_ep_stats st;
+        CHECK_RC(mrc_ep_get_stats(eps[r], &st, NULL, 0));
+        CHECK(st.retx == 0 && st.acked_bytes == st.tx_bytes);
     }
     /* ops still pending (each rank waits for chunks that differ): close, drain */
     for (int a = 0; a < NR; a++)
