@@ -480,6 +480,8 @@ def test_bad_arguments_are_named() -> None:
             rk.all_to_all(np.ones(3, np.int8), np.ones(3, np.int8))
         with pytest.raises(UsageError, match="bfloat16 needs 2-byte"):
             rk.all_reduce(np.ones(4, np.float32), dtype="bfloat16")
+        with pytest.raises(UsageError, match="not this host's byte order"):
+            rk.all_reduce(np.ones(4, ">i4"))
         # still usable: nothing was sent
         out = ok(run_ranks(rs, lambda r: r.all_reduce(np.full(5, r.rank + 1, np.int64))))
         assert all((o == 3).all() for o in out)
@@ -517,6 +519,10 @@ def test_a_repeated_call_checks_its_buffers_again() -> None:
             rk.all_reduce(x, np.ones(6, np.float32))
         with pytest.raises(UsageError, match="C-contiguous"):
             rk.all_reduce(np.ones((5, 2), np.float32)[:, 0], np.empty(5, np.float32))
+        with pytest.raises(UsageError, match="different dtypes"):  # not an array at all
+            rk.all_reduce(x, bytearray(20))
+        with pytest.raises(UsageError, match="byte order"):
+            rk.all_reduce(x, np.ones(5, ">f4"))
         # Empty arrays, twice (the second from the remembered call).
         for _ in range(2):
             out = ok(

@@ -151,6 +151,9 @@ def as_buffer(obj: Any, dtype: str | None, what: str, writable: bool) -> _Buf:
             ) from None
     if not arr.flags.c_contiguous:
         raise UsageError(f"{what}: the array must be C-contiguous (np.ascontiguousarray)")
+    if not arr.dtype.isnative:
+        fix = "arr.astype(arr.dtype.newbyteorder('='))"
+        raise UsageError(f"{what}: {arr.dtype.str} is not this host's byte order ({fix})")
     if writable and not arr.flags.writeable:
         raise UsageError(f"{what}: the buffer is read-only, and this call writes into it")
     name = dtype or forced or _dtype_name(arr.dtype)
@@ -663,10 +666,11 @@ class Collectives:
                 return False
             recv = send
         else:
+            if type(recv) is not np.ndarray:
+                return False
             rf = recv.flags
             if not (
-                type(recv) is np.ndarray
-                and recv.dtype == send.dtype
+                recv.dtype == send.dtype
                 and recv.size == send.size
                 and sf.c_contiguous
                 and rf.c_contiguous
