@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -103,6 +104,10 @@ def test_progress_thread_cpu_clock() -> None:
         c1, t1 = p.a.progress_cpu_ns(), time.process_time_ns()
         assert sha(src) == sha(dst)
         assert 0 < c1 - c0 <= t1 - t0
+        # each endpoint's progress thread by name (top -H, perf, gdb)
+        names = [Path(f"/proc/self/task/{t}/comm").read_text().strip()
+                 for t in os.listdir("/proc/self/task")]  # fmt: skip
+        assert names.count("mrc-progress") >= 2, names
     with pytest.raises(mrc.ConnectionClosedError, match="closed"):
         p.a.progress_cpu_ns()
 
