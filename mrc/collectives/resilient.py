@@ -267,6 +267,7 @@ class Resilience:
         self.switches: list[dict[str, Any]] = []
         self._plans: dict[int, model.Plan] = {}
         self._packed: dict[tuple[Any, ...], Any] = {}
+        self._exchange_plan: tuple[Any, int] | None = None
         self._lock = threading.Lock()
         self._down_before: list[bool] = [False] * self.nplanes
 
@@ -344,18 +345,15 @@ class Resilience:
         self.current = self.local()
         send = np.frombuffer(bandwidth.pack(self.current), dtype=np.uint8).copy()
         recv = np.empty(bandwidth.RECORD_SIZE * comm.size, dtype=np.uint8)
-        from mrc.collectives.ops import as_buffer, signature
+        from mrc.collectives.ops import DTYPES, signature
 
-        packed = S.all_gather(comm.rank, comm.size, bandwidth.RECORD_SIZE, 1).pack()
-        comm._run(
-            "bandwidth exchange",
-            packed,
-            as_buffer(send, "uint8", "bandwidth record", False),
-            as_buffer(recv, "uint8", "bandwidth records", True),
-            "uint8",
-            0,
-            signature("bandwidth exchange", bandwidth.RECORD_SIZE),
-        )
+        if self._exchange_plan is None:  # the same every time: planned and packed once
+            self._exchange_plan = (
+                S.all_gather(comm.rank, comm.size, bandwidth.RECORD_SIZE, 1).pack(),
+                signature("bandwidth exchange", bandwidth.RECORD_SIZE),
+            )
+        packed, sig = self._exchange_plan
+        comm._run_raw("bandwidth exchange", packed, send, recv, DTYPES["uint8"], 0, sig)
         records = bandwidth.unpack_all(recv.tobytes(), comm.size)
         new = bandwidth.agree(records, self.agreed)
         self.exchanges += 1
