@@ -66,6 +66,7 @@ HDR_LEN = 24
 ECHO_LEN = 24  # one further echo of an ACK
 EXT_LEN = {1: 32, 2: 32, 3: 80, 4: 8}  # extension bytes after the header, by type
 LEN_TYPES = (1, 2, 3)  # types whose ``len`` counts bytes after the extension
+DATA_TYPES = (1, 2)  # WRITE, SEND
 F_ACKS = 0x20  # DATA: an ACK packet follows the extension, then the payload
 PKT_TYPES = {
     1: "WRITE",
@@ -99,7 +100,7 @@ class MRC(Packet):  # type: ignore[misc]
         if self.len is None:
             # bytes after the extension: DATA's payload, an ACK's further echoes
             ext = EXT_LEN.get(self.type, 0)
-            if self.type in (1, 2) and int(self.flags) & F_ACKS:
+            if self.type in DATA_TYPES and int(self.flags) & F_ACKS:
                 ext += _carried_len(pay[ext:])
             n = max(len(pay) - ext, 0) if self.type in LEN_TYPES else 0
             if self.type == 3 and isinstance(self.payload, MRCAck):
@@ -254,7 +255,7 @@ def split(data: bytes) -> list[bytes]:
     while is_mrc(data[:HDR_LEN]):
         typ = data[3]
         n = HDR_LEN + EXT_LEN.get(typ, 0)
-        if typ in (1, 2) and data[4] & F_ACKS:
+        if typ in DATA_TYPES and data[4] & F_ACKS:
             n += _carried_len(data[n:])  # the ACK it carries, before the payload
         if typ in LEN_TYPES:
             n += struct.unpack_from("<H", data, 6)[0]

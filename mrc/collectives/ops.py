@@ -413,8 +413,10 @@ class Collectives:
         input: one exchange, for small messages) or "auto" (gather without shares up
         to schedule.gather_max_bytes(n): 96 KiB at 4 ranks, 27 KiB at 8, 11 KiB at
         16); every algo gives the same bits. Returns recv."""
-        if type(send) is np.ndarray and shares is None and dtype is None and not async_op:
-            call = self._coll_calls.get(("all_reduce", send.dtype, send.size, op, algo))
+        repeat_key = None  # the call's shape, when it may be remembered (_remember)
+        if type(send) is np.ndarray and shares is None and dtype is None:
+            repeat_key = ("all_reduce", send.dtype, send.size, op, algo)
+            call = None if async_op else self._coll_calls.get(repeat_key)
             if call is not None and self._repeat(call, send, recv):
                 return send if recv is None else recv
         if _gpu.is_device(send, recv):
@@ -424,7 +426,6 @@ class Collectives:
         r = s if recv is None else as_buffer(recv, dtype, "all_reduce recv", True)
         self._same(s, r, "all_reduce", 1)
         code = _op(op)
-        asked = algo
         sh = None if shares is None else tuple(float(x) for x in shares)
         if sh is not None and len(sh) != self.size:
             raise UsageError(f"all_reduce: shares has {len(sh)} entries for {self.size} ranks")
@@ -461,9 +462,8 @@ class Collectives:
             ),
         )
         sig = signature("all_reduce", s.count, s.dtype, op, sh, algo)
-        if type(send) is np.ndarray and sh is None and dtype is None:
-            self._remember(("all_reduce", send.dtype, send.size, op, asked), what, packed,
-                           sig, DTYPES[s.dtype], code)  # fmt: skip
+        if repeat_key is not None:
+            self._remember(repeat_key, what, packed, sig, DTYPES[s.dtype], code)
         return self._submit(
             what, lambda: self._do(what, packed, s, r, s.dtype, code, sig, out), async_op
         )
