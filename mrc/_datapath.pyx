@@ -548,7 +548,7 @@ cdef class Endpoint:
                 "loop_iters": st.loop_iters, "rx_reads": st.rx_reads,
                 "rx_gro_reads": st.rx_gro_reads, "tx_sends": st.tx_sends,
                 "acks_carried": st.acks_carried,
-                "conns": st.nconns, "sockets": st.nsocks,
+                "conns": st.nconns, "regions": st.nmrs, "sockets": st.nsocks,
                 "sockets_seg6route": st.nsocks_seg6route,
                 "drops": {c.mrc_drop_str(i).decode(): st.drops[i]
                           for i in range(1, c.MRC_DROP_MAX)},

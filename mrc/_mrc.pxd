@@ -163,6 +163,7 @@ cdef extern from "mrc.h" nogil:
         uint64_t seg6route_failures
         uint64_t loop_iters, rx_reads, rx_gro_reads, tx_sends, acks_carried
         int nconns
+        int nmrs
         int npaths
         int nsocks
         int nsocks_seg6route

@@ -39,6 +39,14 @@
  * the caller's buffers costs four round trips to the progress thread, which
  * is most of a small collective's latency. */
 #define BOUNCE_BYTES (256u << 10)
+/* Regions of larger user buffers stay registered for the next calls (a
+ * training loop all-reduces the same gradient buckets every step): a
+ * registration and a deregistration are two round trips to the progress
+ * thread, ~50 us per buffer and call on a busy 2-core host. Safe to keep
+ * after the buffer is freed: they are registered without remote access, so
+ * only operations this executor posts, during a call that passes that exact
+ * range again, ever touch their memory. */
+#define MR_CACHE 8
 /* The bounce region has two slots of BOUNCE_BYTES. A bounced call (send and
  * recv copies apart in the slot) does not wait for the acknowledgement of a
  * SEND whose bytes nothing in the call writes once it is posted (no step
@@ -68,6 +76,12 @@ struct mrc_coll {
     /* left by a failed run until mrc_coll_drain */
     int pending;            /* posted operations not yet completed */
     mrc_mr *user_mr[2];     /* regions of the send and recv buffers */
+    struct {
+        mrc_mr *mr;
+        const void *addr;
+        uint64_t len, used;
+    } mrs[MR_CACHE];        /* user regions kept registered, least recently used goes */
+    uint64_t mr_clock;
     uint64_t mr_base[2];    /* where each buffer starts in its region */
     bool bounced;           /* this run's buffers are copies in bounce */
     uint8_t *bounce;        /* 2 slots of BOUNCE_BYTES, registered as bounce_mr */
@@ -176,18 +190,52 @@ void mrc_coll_abort(mrc_coll *c) { atomic_store(&c->aborted, 1); }
 
 uint64_t mrc_coll_scratch_bytes(const mrc_coll *c) { return c->scratch_len; }
 
+/* The run's user regions stay in the cache (mrs); nothing to deregister. */
 static void release_user_mrs(mrc_coll *c)
 {
-    if (c->bounced) {
-        c->bounced = false;
-        c->user_mr[0] = c->user_mr[1] = NULL;
-        return;
-    }
-    if (c->user_mr[1] && c->user_mr[1] != c->user_mr[0])
-        mrc_mr_dereg(c->user_mr[1]);
-    if (c->user_mr[0])
-        mrc_mr_dereg(c->user_mr[0]);
+    c->bounced = false;
     c->user_mr[0] = c->user_mr[1] = NULL;
+}
+
+/* A region for exactly [addr, addr + len): the cached one, or a new one that
+ * takes the least recently used entry's place. */
+static int user_mr_get(mrc_coll *c, void *addr, uint64_t len, mrc_mr **out)
+{
+    int victim = 0;
+    for (int i = 0; i < MR_CACHE; i++) {
+        if (c->mrs[i].mr && c->mrs[i].addr == addr && c->mrs[i].len == len) {
+            c->mrs[i].used = ++c->mr_clock;
+            *out = c->mrs[i].mr;
+            return 0;
+        }
+        if (c->mrs[i].used < c->mrs[victim].used)
+            victim = i;
+    }
+    if (c->mrs[victim].mr) {
+        /* Not the other buffer of this run: it was just stamped newest. No
+         * operation holds an older run's region (a run starts only once
+         * every earlier operation completed, early sends use bounce). */
+        int rc = mrc_mr_dereg(c->mrs[victim].mr);
+        if (rc)
+            return rc;
+        c->mrs[victim].mr = NULL;
+        c->mrs[victim].used = 0;
+    }
+    int rc = mrc_mr_reg(c->ep, addr, len, 0, &c->mrs[victim].mr);
+    if (rc)
+        return rc;
+    c->mrs[victim].addr = addr;
+    c->mrs[victim].len = len;
+    c->mrs[victim].used = ++c->mr_clock;
+    *out = c->mrs[victim].mr;
+    return 0;
+}
+
+static void user_mrs_free(mrc_coll *c)
+{
+    for (int i = 0; i < MR_CACHE; i++)
+        if (c->mrs[i].mr)
+            mrc_mr_dereg(c->mrs[i].mr);
 }
 
 void mrc_coll_destroy(mrc_coll *c)
@@ -201,7 +249,7 @@ void mrc_coll_destroy(mrc_coll *c)
     /* Operations still pending (a failed run nobody drained) reference the
      * regions: leave them to mrc_ep_destroy rather than free them under it. */
     if (!c->pending) {
-        release_user_mrs(c);
+        user_mrs_free(c);
         if (c->scratch_mr)
             mrc_mr_dereg(c->scratch_mr);
         free(c->scratch);
@@ -926,18 +974,11 @@ static int register_user(mrc_coll *c, struct run *r, const struct mrc_coll_args 
     if (rc <= 0)
         return rc;
     c->mr_base[0] = c->mr_base[1] = 0;
-    rc = mrc_mr_reg(c->ep, a->send, a->send_len, 0, &c->user_mr[0]);
+    rc = user_mr_get(c, a->send, a->send_len, &c->user_mr[0]);
+    if (!rc)
+        rc = user_mr_get(c, a->recv, a->recv_len, &c->user_mr[1]);
     if (rc)
-        return rc;
-    if (a->recv == a->send && a->recv_len == a->send_len) {
-        c->user_mr[1] = c->user_mr[0];
-        return 0;
-    }
-    rc = mrc_mr_reg(c->ep, a->recv, a->recv_len, 0, &c->user_mr[1]);
-    if (rc) {
-        mrc_mr_dereg(c->user_mr[0]);
-        c->user_mr[0] = NULL;
-    }
+        c->user_mr[0] = c->user_mr[1] = NULL;
     return rc;
 }
 

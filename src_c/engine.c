@@ -23,6 +23,9 @@ static void stats_pt(mrc_ep *ep, struct ctl *x)
     for (int i = 0; i < ep->nsocks; i++)
         st->nsocks_seg6route += ep->socks[i]->mark != 0;
     st->nconns = 0;
+    pthread_mutex_lock(&ep->lock); /* registering threads take slots under it */
+    st->nmrs = (int)(MRC_SLOTS - 1 - ep->nmr_free); /* slot 0 is never used */
+    pthread_mutex_unlock(&ep->lock);
     st->staged_bytes = 0;
     st->npaths = 0;
     /* The connections the datapath knows (failed ones too, until destroyed),

@@ -534,3 +534,29 @@ def test_a_repeated_call_checks_its_buffers_again() -> None:
         ins = [data("float32", 5, r) for r in range(2)]
         assert all(bits(g) == bits(M.reference(ins, "float32", "sum")) for g in got)
         assert rk._coll_calls, "the repeated calls took the remembered path"
+
+
+def test_large_buffers_keep_a_bounded_number_of_regions() -> None:
+    """Buffers above the bounce size stay registered for the next calls (a training loop
+    reduces the same buckets every step), at most 8 per communicator; buffers freed and
+    allocated again (at reused addresses) and more buffers in turn than that still give
+    the reference bits."""
+    n = 100_000  # 400 KB: above the 256 KiB bounce slot, so registered
+    with mesh(2) as rs:
+        before = rs[0].endpoint.stats()["regions"]
+        for i in range(20):
+            ins = [data("float32", n, 100 * i + r) for r in range(2)]
+            want = bits(M.reference(ins, "float32", "sum"))
+            got = ok(
+                run_ranks(rs, lambda rk, s=i: rk.all_reduce(data("float32", n, 100 * s + rk.rank)))
+            )
+            assert all(bits(g) == want for g in got), i
+            assert before < rs[0].endpoint.stats()["regions"] <= before + 8
+        keep = [data("float32", n, r) for r in range(2)]
+        outs = [np.empty(n, np.float32) for _ in range(2)]
+        ok(run_ranks(rs, lambda rk: rk.all_reduce(keep[rk.rank], outs[rk.rank])))
+        settled = rs[0].endpoint.stats()["regions"]
+        for _ in range(3):  # the same buffers again: nothing registered
+            ok(run_ranks(rs, lambda rk: rk.all_reduce(keep[rk.rank], outs[rk.rank])))
+            assert rs[0].endpoint.stats()["regions"] == settled
+        assert bits(outs[0]) == bits(M.reference(keep, "float32", "sum"))

@@ -481,6 +481,7 @@ struct mrc_ep_stats {
     uint64_t acks_carried;   /* ACKs that went in DATA packets (MRC_POST_LAZY_ACK); acks_tx
                               * counts those that went alone */
     int nconns;
+    int nmrs;       /* memory regions registered (collectives keep their users' a while) */
     int npaths;     /* entries filled in paths[] */
     int nsocks;     /* UDP sockets: one per plane + one per (plane, SRv6 route to a spine) */
     int nsocks_seg6route; /* route sockets whose SRH a kernel seg6 route inserts (GSO kept) */

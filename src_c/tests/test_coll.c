@@ -203,6 +203,67 @@ static void test_all_reduce(uint64_t count, int in_place, int dtype, int op)
     free(ref_out);
 }
 
+static int nmrs(mrc_ep *ep)
+{
+    struct mrc_ep_stats st;
+    CHECK_RC(mrc_ep_get_stats(ep, &st, NULL, 0));
+    return st.nmrs;
+}
+
+/* Buffers above the bounce size keep their regions for the next calls: the
+ * same buffers again register nothing; freed buffers (their addresses reused
+ * by the next allocation), and more buffers in turn than the cache holds,
+ * still give exact results, with a bounded number of regions. */
+static void test_mr_cache(void)
+{
+    uint64_t count = 300000; /* 1.2 MB: registered, not bounced */
+    int n0 = nmrs(eps[0]);
+    test_all_reduce(count, 0, MRC_FLOAT32, MRC_SUM);
+    CHECK(nmrs(eps[0]) > n0); /* the call's regions stayed */
+    for (int i = 0; i < 3; i++)
+        test_all_reduce(count, 0, MRC_FLOAT32, MRC_SUM); /* malloc'd afresh each time */
+    CHECK(nmrs(eps[0]) <= n0 + 8); /* at most 8 kept */
+    /* 12 buffer pairs in turn, each used twice: the cache (8) turns over. */
+    static struct job jobs[NR];
+    enum { NB = 12 };
+    float *bufs[NB][NR];
+    for (int b = 0; b < NB; b++)
+        for (int r = 0; r < NR; r++) {
+            bufs[b][r] = malloc(count * 4);
+            for (uint64_t i = 0; i < count; i++)
+                bufs[b][r][i] = (float)((i + (uint64_t)b) % 97) + (float)r * 0.25f;
+        }
+    float *out[NR];
+    for (int r = 0; r < NR; r++)
+        out[r] = malloc(count * 4);
+    for (int round = 0; round < 2; round++)
+        for (int b = 0; b < NB; b++) {
+            for (int r = 0; r < NR; r++) {
+                plan_all_reduce(&jobs[r].plan, r, count, 0);
+                jobs[r].rank = r;
+                jobs[r].args = (struct mrc_coll_args){
+                    .send = bufs[b][r], .send_len = count * 4, .recv = out[r],
+                    .recv_len = count * 4, .dtype = MRC_FLOAT32, .op = MRC_SUM,
+                    .sig = 0x1234, .timeout_ms = 5000};
+            }
+            run_all(jobs);
+            for (int r = 0; r < NR; r++) {
+                CHECK_RC(jobs[r].rc);
+                float want = 0;
+                for (int q = 0; q < NR; q++)
+                    want += bufs[b][q][count - 1];
+                CHECK(out[r][count - 1] == want);
+                CHECK(out[r][0] == (float)(b % 97) * 3 + 0.75f);
+            }
+        }
+    CHECK(nmrs(eps[0]) <= n0 + 8);
+    for (int b = 0; b < NB; b++)
+        for (int r = 0; r < NR; r++)
+            free(bufs[b][r]);
+    for (int r = 0; r < NR; r++)
+        free(out[r]);
+}
+
 static void test_mismatch(void)
 {
     static struct job jobs[NR];
@@ -349,6 +410,7 @@ int main(void)
     teardown();
     setup(0, 0); /* defaults */
     test_all_reduce(300000, 1, MRC_FLOAT32, MRC_MAX);
+    test_mr_cache();
     test_write_after_send();
     test_abort();
     teardown();
