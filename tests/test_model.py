@@ -282,6 +282,22 @@ def test_fit_host_rate_shares_inverts_the_host_model() -> None:
             mh, _ = m.host_limited(degraded, degraded, h)
             t = m.share_time(shares, mh, mh, d)
             assert m.fit_host_rate_shares(shares, degraded, degraded, d, t) == pytest.approx(h)
+    # Against a bisection on log H of the model itself, for measured times of every size.
+    for shares in ([0.25] * 4, [0.4, 0.1, 0.25, 0.25], [0.3, 0.0, 0.3, 0.4]):
+        wire = m.share_time(shares, degraded, degraded, d)
+        for factor in (1.0001, 1.05, 1.7, 30.0):
+            t = factor * wire
+
+            def slow(h: float, sh: list[float] = shares, t: float = t) -> bool:
+                mh, _ = m.host_limited(degraded, degraded, h)
+                return m.share_time(sh, mh, mh, d) > t
+
+            lo, hi = 1.0, 1e15
+            for _ in range(200):
+                mid = math.sqrt(lo * hi)
+                lo, hi = (mid, hi) if slow(mid) else (lo, mid)
+            got = m.fit_host_rate_shares(shares, degraded, degraded, d, t)
+            assert got == pytest.approx(math.sqrt(lo * hi), rel=1e-9)
     healthy = [5e8] * 4
     wire = m.share_time([0.25] * 4, healthy, healthy, d)
     assert m.fit_host_rate_shares([0.25] * 4, healthy, healthy, d, 1.3 * wire) == pytest.approx(
