@@ -94,8 +94,10 @@ def run_loop(fab: object, n: int, env: dict[str, str] | None = None) -> tuple[di
 
 def test_loopback_agrees_on_plane_counts_and_keeps_equal_shares() -> None:
     """No fabric: the rates are counts of usable planes; all alike, so equal shares. The
-    exchange points: every all_reduce from MRC_RESILIENT_EXCHANGE_BYTES on, the first 8,
-    and every MRC_RESILIENT_EXCHANGE_EVERY-th; none with MRC_RESILIENT=0."""
+    exchange points: the all_reduce that brings the bytes since the last one to
+    MRC_RESILIENT_EXCHANGE_BYTES, the first 8, and every MRC_RESILIENT_EXCHANGE_EVERY-th;
+    none with MRC_RESILIENT=0."""
+    nbytes = 4 * 300_001  # resilient_worker.COUNT float32
     ref = reference_sha()
     cases = (
         ({"MRC_RESILIENT_EXCHANGE_BYTES": "0"}, 2, 2),
@@ -106,6 +108,8 @@ def test_loopback_agrees_on_plane_counts_and_keeps_equal_shares() -> None:
             12,
             10,
         ),
+        # Ops 1..8, then 11 (three since the last bring the bytes to the threshold).
+        ({"MRC_RESILIENT_EXCHANGE_BYTES": str(3 * nbytes)}, 12, 9),
     )
     for extra, n_ops, exchanges in cases:
         p = subprocess.run(

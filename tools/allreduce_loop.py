@@ -29,9 +29,9 @@ import numpy as np
 import mrc
 from mrc.collectives.simulate import reference
 
-# 4 MiB + one element: at least DEFAULT_EXCHANGE_BYTES, so every operation is an exchange
-# point (plans from the path states of its start), and not a multiple of 4 ranks, so the
-# shares' element bounds are uneven.
+# 4 MiB + one element: every 4th operation is an exchange point (one per
+# DEFAULT_EXCHANGE_BYTES, 16 MiB, of all_reduce data: the switch comes up to 3 operations
+# after the cut), and not a multiple of 4 ranks, so the shares' element bounds are uneven.
 COUNT = (4 << 20) // 4 + 1
 TAIL = 2  # healthy operations after the switch back, to show it stays
 FAILED_RANK, FAILED_PLANE = 1, 1  # h1's plane 1

@@ -6,9 +6,10 @@ bound) for the agreed rates and the message size; the executor runs the direct
 all_reduce with those shares, which keep the fixed reduction order, so a switch changes
 no bit of any result. This module joins them, per communicator:
 
-- At an exchange point (every all_reduce of at least `exchange_bytes`, the first
-  EARLY_EXCHANGES, and every `exchange_every`-th of any size; every rank calls the same
-  collectives with the same sizes, so every rank reaches the same points) each rank
+- At an exchange point (an all_reduce that brings the bytes all-reduced since the last
+  exchange, its own included, to `exchange_bytes`: every one of that size or more; the
+  first EARLY_EXCHANGES; and every `exchange_every`-th of any size; every rank calls the
+  same collectives with the same sizes, so every rank reaches the same points) each rank
   reads its endpoint's path states, all-gathers the records through the executor (the
   same ordered, signature-checked path as any collective: a rank that skipped the exchange
   gets a mismatch error, not a wrong plan) and applies bandwidth.agree(), a pure rule:
@@ -68,9 +69,11 @@ from mrc.errors import UsageError
 log = logging.getLogger("mrc.collectives.resilient")
 
 # An exchange is an all_gather of 40 bytes per rank: about one round trip (a few hundred
-# microseconds on the test fabric; 1 ms on the loaded 2-core machine). From 4 MiB on an
-# all_reduce takes over 10 ms at 4 x 1 Gbit/s, so the exchange is a few percent at most.
-DEFAULT_EXCHANGE_BYTES = 4 << 20
+# microseconds on a quiet fabric; 1-1.5 ms of each 4 MiB all_reduce on the shaped fabric of
+# the 2-core machine, 4 ranks, where every rank's CPU is the time). One per 16 MiB of
+# all_reduce data: every all_reduce of 16 MiB or more (over 50 ms at 4 x 1 Gbit/s, so a
+# few percent at most), every 4th of 4 MiB; a failed plane is planned around within 16 MiB.
+DEFAULT_EXCHANGE_BYTES = 16 << 20
 # Smaller all_reduces refresh the agreement every this many all_reduces, so a job of only
 # small ones still sees a failed plane (and pays 1/64 of an exchange per operation).
 DEFAULT_EXCHANGE_EVERY = 64
@@ -210,8 +213,9 @@ class Resilience:
 
     comm: the Collectives mixin's object (rank, size, endpoint, fabric_info, _run).
     enabled: plan at all (MRC_RESILIENT=0 turns it off: equal shares always).
-    exchange_bytes: all_reduce size from which an operation is an exchange point
-    (MRC_RESILIENT_EXCHANGE_BYTES; 0: every all_reduce).
+    exchange_bytes: an all_reduce is an exchange point once the bytes all-reduced since
+    the last exchange, its own included, reach this (MRC_RESILIENT_EXCHANGE_BYTES; 0: every
+    all_reduce).
     exchange_every: smaller ones are one every this many all_reduces
     (MRC_RESILIENT_EXCHANGE_EVERY).
     host_aware: fit the hosts' own rate to the all_reduces it plans (4 MiB and more) and
@@ -251,6 +255,7 @@ class Resilience:
         if self.exchange_every < 1:
             raise UsageError(f"exchange_every = {self.exchange_every}: must be >= 1")
         self._last_exchange = 0  # self.ops at the last exchange
+        self._bytes_since = 0  # all_reduce bytes since then, this operation's included
         self.alpha = alpha
         self.plane_rate = plane_rate
         self.nplanes = len(comm.endpoint.planes)
@@ -358,6 +363,7 @@ class Resilience:
         new = bandwidth.agree(records, self.agreed)
         self.exchanges += 1
         self._last_exchange = self.ops
+        self._bytes_since = 0
         if bandwidth.changed(self.agreed, new):
             self.epoch += 1
             self._plans.clear()
@@ -387,8 +393,9 @@ class Resilience:
                 n = self.comm.size
                 self._note(model.Plan("equal", (1.0 / n,) * n, math.nan), nbytes)
                 return None
+            self._bytes_since += nbytes
             if (
-                nbytes >= self.exchange_bytes
+                self._bytes_since >= self.exchange_bytes
                 or self.ops <= EARLY_EXCHANGES
                 or self.ops - self._last_exchange >= self.exchange_every
             ):
