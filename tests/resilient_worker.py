@@ -8,7 +8,7 @@
     resilient_worker.py until MAX     all_reduces until the file MRC_TEST_STOP_FILE exists
                                       (at most MAX; the ranks agree on it after each
                                       operation with a 1-element max all_reduce); rank 0
-                                      prints each operation as "pull" does
+                                      prints each operation's schedule as it goes
 
 Every rank all-reduces the same input every time (a function of its rank, of
 MRC_TEST_COUNT elements, default COUNT; every other operation with async_op=True, so on
@@ -67,7 +67,7 @@ def main() -> None:
         if (not schedules or schedules[-1] != name) and st["agreed"] is not None:
             planes[i] = st["agreed"]["planes_up"]
         schedules.append(name)
-        if comm.rank == 0 and mode in ("heal", "pull", "until"):
+        if comm.rank == 0 and mode in ("heal", "until"):
             print(json.dumps({"op": i, "schedule": name}), flush=True)
         went_resilient = went_resilient or name == "resilient"
         if mode == "heal" and went_resilient and name == "equal":
@@ -78,7 +78,7 @@ def main() -> None:
             if flag[0]:
                 break
     else:
-        ok = mode in ("loop", "pull")
+        ok = mode == "loop"
     result = {
         "rank": comm.rank,
         "ok": ok,
