@@ -190,13 +190,6 @@ void mrc_coll_abort(mrc_coll *c) { atomic_store(&c->aborted, 1); }
 
 uint64_t mrc_coll_scratch_bytes(const mrc_coll *c) { return c->scratch_len; }
 
-/* The run's user regions stay in the cache (mrs); nothing to deregister. */
-static void release_user_mrs(mrc_coll *c)
-{
-    c->bounced = false;
-    c->user_mr[0] = c->user_mr[1] = NULL;
-}
-
 /* A region for exactly [addr, addr + len): the cached one, or a new one that
  * takes the least recently used entry's place. */
 static int user_mr_get(mrc_coll *c, void *addr, uint64_t len, mrc_mr **out)
@@ -1041,12 +1034,10 @@ int mrc_coll_run(mrc_coll *c, const struct mrc_coll_plan *p, const struct mrc_co
                 c->seq[peer]++;
     }
     run_free(&r);
-    if (c->pending == c->lingering && c->bounced) {
-        c->bounced = false; /* early sends may still read the slot: it stays theirs */
-        c->user_mr[0] = c->user_mr[1] = NULL;
-    } else if (!c->pending) {
-        release_user_mrs(c);
-    }
+    /* The regions stay in the cache (mrs), the bounce slot with its early
+     * sends; operations a failed run left hold their regions themselves. */
+    c->bounced = false;
+    c->user_mr[0] = c->user_mr[1] = NULL;
     return rc;
 }
 
@@ -1064,7 +1055,5 @@ int mrc_coll_drain(mrc_coll *c, int timeout_ms)
         if (n == MRC_ECLOSED)
             break; /* the endpoint is going: it completes and frees them itself */
     }
-    if (!c->pending)
-        release_user_mrs(c);
     return c->pending ? MRC_EBUSY : 0;
 }
