@@ -131,9 +131,15 @@ class Transfer:
             if pred(self.paths()):
                 return time.monotonic() - t0
             time.sleep(0.005)  # polling interval of an external observer, not a sync point
+        # With each path's smoothed RTT, probes sent and state changes: a path that stays
+        # suspect waits 2 RTOs (2 srtt + 4 rttvar, at least 5 ms) for its probe's answer.
+        seen = [
+            (p["path"], p["state"], round(p["srtt_us"]), p["probes"], p["state_changes"])
+            for p in self.paths()
+        ]
         raise AssertionError(
-            f"path states not reached in {timeout} s: "
-            f"{[(p['path'], p['state']) for p in self.paths()]}"
+            f"path states not reached in {timeout} s (path, state, srtt us, probes, changes): "
+            f"{seen}"
         )
 
     def kill(self) -> None:
