@@ -246,6 +246,7 @@ class CollExecutor:
         chunk_bytes: int = ...,
         slots: int = ...,
         window: int = ...,
+        busy_poll_us: int = ...,
     ) -> None: ...
     def run(
         self,

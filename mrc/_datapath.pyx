@@ -547,7 +547,7 @@ cdef class Endpoint:
                 "seg6route_failures": st.seg6route_failures,
                 "loop_iters": st.loop_iters, "rx_reads": st.rx_reads,
                 "rx_gro_reads": st.rx_gro_reads, "tx_sends": st.tx_sends,
-                "acks_carried": st.acks_carried,
+                "acks_carried": st.acks_carried, "busy_polls": st.busy_polls,
                 "conns": st.nconns, "regions": st.nmrs, "sockets": st.nsocks,
                 "sockets_seg6route": st.nsocks_seg6route,
                 "drops": {c.mrc_drop_str(i).decode(): st.drops[i]
@@ -1410,7 +1410,8 @@ cdef class CollExecutor:
         self._closed = False
 
     def __init__(self, Endpoint endpoint, int rank, int nranks, peers, *,
-                 uint64_t chunk_bytes=0, int slots=0, int window=0):
+                 uint64_t chunk_bytes=0, int slots=0, int window=0,
+                 uint32_t busy_poll_us=0):
         import threading
         cdef c.mrc_coll_config cfg
         peers = list(peers)
@@ -1439,6 +1440,7 @@ cdef class CollExecutor:
             cfg.chunk_bytes = chunk_bytes
             cfg.slots = slots
             cfg.window = window
+            cfg.busy_poll_us = busy_poll_us
             check(c.mrc_coll_create(endpoint._ptr(), &cfg, &self.coll),
                   lambda: f"Failed to create the collective executor of rank {rank}/{nranks}")
         finally:

@@ -161,7 +161,7 @@ cdef extern from "mrc.h" nogil:
         uint64_t acked_bytes, rnr_naks, rnr_ready, staged_bytes, staged_msgs
         uint64_t lost_rack, lost_rto, spurious_rto, lost_flush, probe_timeouts, link_events
         uint64_t seg6route_failures
-        uint64_t loop_iters, rx_reads, rx_gro_reads, tx_sends, acks_carried
+        uint64_t loop_iters, rx_reads, rx_gro_reads, tx_sends, acks_carried, busy_polls
         int nconns
         int nmrs
         int npaths
@@ -210,6 +210,7 @@ cdef extern from "mrc.h" nogil:
         uint64_t chunk_bytes
         int slots
         int window
+        uint32_t busy_poll_us
     ctypedef struct mrc_coll:
         pass
     int mrc_coll_create(mrc_ep *ep, const mrc_coll_config *cfg, mrc_coll **out)

@@ -68,6 +68,7 @@ struct mrc_coll {
     uint32_t *seq;          /* collectives run with each peer (tag field) */
     uint64_t chunk;
     int slots, window;
+    uint32_t busy_poll_us;  /* small (bounced) runs: mrc_ep_busy_poll for this long */
     atomic_int aborted;
     uint8_t *scratch;       /* rings, registered as scratch_mr */
     uint64_t scratch_len;
@@ -159,6 +160,7 @@ int mrc_coll_create(mrc_ep *ep, const struct mrc_coll_config *cfg, mrc_coll **ou
     c->chunk = cfg->chunk_bytes ? cfg->chunk_bytes : DEFAULT_CHUNK;
     c->slots = cfg->slots ? cfg->slots : DEFAULT_SLOTS;
     c->window = cfg->window ? cfg->window : c->slots;
+    c->busy_poll_us = cfg->busy_poll_us;
     atomic_init(&c->aborted, 0);
     c->peers = calloc((size_t)c->nranks, sizeof(*c->peers));
     c->seq = calloc((size_t)c->nranks, sizeof(*c->seq));
@@ -955,6 +957,11 @@ static int bounce_in(mrc_coll *c, struct run *r, const struct mrc_coll_args *a)
     c->mr_base[0] = (uint64_t)k * BOUNCE_BYTES;
     c->mr_base[1] = c->mr_base[0] + roff;
     c->bounced = true;
+    /* A small call is a short exchange: its time is the hand-overs between
+     * threads, not bytes. The progress thread polls instead of sleeping
+     * through it and into the gap before the next one, so neither the posts
+     * nor the answers wait for a wake-up (mrc_ep_busy_poll). */
+    mrc_ep_busy_poll(c->ep, c->busy_poll_us);
     r->early = roff != 0;
     if (r->early)
         early_sends(r);

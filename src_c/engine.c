@@ -8,6 +8,7 @@
 #include "internal.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
@@ -282,11 +283,25 @@ static uint32_t engine_sleep(mrc_ep *ep, uint64_t now)
     uint64_t due = ep->next_timer_ns < ep->ack_due_ns ? ep->next_timer_ns : ep->ack_due_ns;
     if (engine_unsent(ep) && due > now + MRC_TIMER_NS)
         due = now + MRC_TIMER_NS;
-    uint64_t wait = due > now ? due - now : 0;
-    struct timespec ts = {.tv_sec = (time_t)(wait / 1000000000ull),
-                          .tv_nsec = (long)(wait % 1000000000ull)};
-    int n = epoll_pwait2(ep->epfd, evs, MRC_MAX_PLANES + 2, due == UINT64_MAX ? NULL : &ts,
+    /* Busy-poll (mrc_ep_busy_poll): look without sleeping, yielding between
+     * looks, so a post (the eventfd) or an arrival is seen without a wake-up. */
+    int n = 0;
+    uint64_t poll_until = atomic_load_explicit(&ep->poll_until_ns, memory_order_relaxed);
+    while (now < poll_until && now < due) {
+        n = epoll_wait(ep->epfd, evs, MRC_MAX_PLANES + 2, 0);
+        ep->st.busy_polls++;
+        if (n)
+            break;
+        sched_yield();
+        now = now_ns();
+    }
+    if (!n) {
+        uint64_t wait = due > now ? due - now : 0;
+        struct timespec ts = {.tv_sec = (time_t)(wait / 1000000000ull),
+                              .tv_nsec = (long)(wait % 1000000000ull)};
+        n = epoll_pwait2(ep->epfd, evs, MRC_MAX_PLANES + 2, due == UINT64_MAX ? NULL : &ts,
                          NULL);
+    }
     uint32_t ready = n > 0 ? engine_events(ep, evs, n) : 0;
     pthread_mutex_lock(&ep->lock);
     ep->sleeping = false;

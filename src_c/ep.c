@@ -289,6 +289,18 @@ void mrc_ep_kick(mrc_ep *ep)
         ep_wake(ep);
 }
 
+void mrc_ep_busy_poll(mrc_ep *ep, uint32_t us)
+{
+    if (!ep || !us)
+        return;
+    uint64_t until = now_ns() + (uint64_t)us * 1000u;
+    uint64_t cur = atomic_load_explicit(&ep->poll_until_ns, memory_order_relaxed);
+    while (cur < until &&
+           !atomic_compare_exchange_weak_explicit(&ep->poll_until_ns, &cur, until,
+                                                  memory_order_relaxed, memory_order_relaxed)) {
+    }
+}
+
 void ep_wake(mrc_ep *ep)
 {
     uint64_t one = 1;

@@ -411,6 +411,7 @@ struct mrc_ep {
      * be waited on or released after mrc_ep_destroy, so the struct (its lock
      * and condition) lives until the last op goes (ep_unref). */
     atomic_int refs;
+    _Atomic uint64_t poll_until_ns; /* mrc_ep_busy_poll: the loop polls until then */
     int nplanes;
     struct plane planes[MRC_MAX_PLANES];
     int epfd, evfd, nl_fd;

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 from coll_helpers import mesh, ok, run_ranks
+from helpers import wait_for
 
 from mrc import _datapath
 from mrc.collectives import ops as O
@@ -534,6 +535,31 @@ def test_a_repeated_call_checks_its_buffers_again() -> None:
         ins = [data("float32", 5, r) for r in range(2)]
         assert all(bits(g) == bits(M.reference(ins, "float32", "sum")) for g in got)
         assert rk._coll_calls, "the repeated calls took the remembered path"
+
+
+def test_small_calls_ask_the_progress_thread_to_busy_poll(monkeypatch: Any) -> None:
+    """A call that fits the bounce slots asks the progress thread to poll its sockets
+    instead of sleeping for busy_poll_us (ep.stats()["busy_polls"] counts the looks);
+    MRC_BUSY_POLL_US=0 keeps it sleeping, with the same bits; a bad value is refused."""
+    ins = [data("float32", 1000, r) for r in range(2)]
+    want = bits(M.reference(ins, "float32", "sum"))
+    for env, polls in (("0", False), (None, True)):
+        if env is None:
+            monkeypatch.delenv("MRC_BUSY_POLL_US")
+        else:
+            monkeypatch.setenv("MRC_BUSY_POLL_US", env)
+        with mesh(2) as rs:
+            assert rs[0].collective_stats()["busy_poll_us"] == (O.BUSY_POLL_US if polls else 0)
+            for _ in range(5):
+                got = ok(run_ranks(rs, lambda rk: rk.all_reduce(ins[rk.rank].copy())))
+                assert all(bits(g) == want for g in got)
+            if polls:
+                wait_for(lambda rs=rs: all(rk.endpoint.stats()["busy_polls"] for rk in rs))
+            else:
+                assert [rk.endpoint.stats()["busy_polls"] for rk in rs] == [0, 0]
+    monkeypatch.setenv("MRC_BUSY_POLL_US", "soon")
+    with pytest.raises(UsageError, match="MRC_BUSY_POLL_US"), mesh(2):
+        pass
 
 
 def test_large_buffers_keep_a_bounded_number_of_regions() -> None:

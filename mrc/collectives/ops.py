@@ -30,6 +30,7 @@ from mrc import _datapath
 from mrc import gpu as _gpu
 from mrc._datapath import CollExecutor, strerror
 from mrc.collectives import schedule as S
+from mrc.collectives.resilient import env_int
 from mrc.errors import CollectiveError, TimeoutError, UsageError
 
 DTYPES = {
@@ -54,6 +55,12 @@ SLOTS_MIN, SLOTS_MAX = 4, 16
 # was no faster (241 ms against 238-246, the degraded runs of scratch_slots) and staged
 # no less (coll_memory: 5.5-17.5 MiB per rank against 1.0-14.5).
 WINDOW = 4
+# Small calls (send + recv within the executor's 256 KiB bounce slots): the progress
+# thread polls for this long from each one's start instead of sleeping
+# (MRC_BUSY_POLL_US; 0: it sleeps). On the shaped fabric, 4 ranks on 2 cores, 8 rounds
+# interleaved: 8 B all_reduce 96-182 us against 242-263 us sleeping; 1 MiB unchanged
+# (docs/architecture.md, "Where a small collective's time goes").
+BUSY_POLL_US = 1000
 
 
 def scratch_slots(n: int, chunk: int = 0) -> int:
@@ -203,11 +210,16 @@ class Collectives:
     timeout: float
     chunk_bytes: int = 0  # 0: the executor's default (256 KiB)
     slots: int = 0  # scratch slots per ring, the pipeline depth and lag; 0: scratch_slots()
+    busy_poll_us: int | None = None  # None: MRC_BUSY_POLL_US, else BUSY_POLL_US
 
     # -- life (called by the communicator) --
     def _collectives_init(self) -> None:
         if not self.slots:
             self.slots = scratch_slots(self.size, self.chunk_bytes)
+        if self.busy_poll_us is None:
+            self.busy_poll_us = env_int("MRC_BUSY_POLL_US", BUSY_POLL_US)
+        if not 0 <= self.busy_poll_us <= 1_000_000:
+            raise UsageError(f"busy_poll_us = {self.busy_poll_us}: must be 0 to 1000000")
         self._coll_exec = CollExecutor(
             self.endpoint,
             self.rank,
@@ -216,6 +228,7 @@ class Collectives:
             chunk_bytes=self.chunk_bytes,
             slots=self.slots,
             window=WINDOW,
+            busy_poll_us=self.busy_poll_us,
         )
         self._coll_failure: CollectiveError | None = None
         self._coll_plans: OrderedDict[tuple, S.Packed] = OrderedDict()
@@ -310,14 +323,15 @@ class Collectives:
     def collective_stats(self) -> dict[str, Any]:
         """Collectives run (total and per schedule), the last one (its call,
         schedule, seconds, and for all_reduce the share bounds in elements),
-        the executor's scratch bytes, and the failure that ended the
-        communicator, if any."""
+        the executor's scratch bytes, the progress thread's poll time for small
+        calls, and the failure that ended the communicator, if any."""
         st = dict(self._coll_stats)
         st["by_kind"] = dict(st["by_kind"])
         if self._coll_last is not None:
             what, packed, seconds = self._coll_last
             st["last"] = {"call": what, "schedule": packed.name, "seconds": seconds, **packed.info}
         st["scratch_bytes"] = self._coll_exec.scratch_bytes
+        st["busy_poll_us"] = self.busy_poll_us
         st["failure"] = None if self._coll_failure is None else str(self._coll_failure)
         return st
 

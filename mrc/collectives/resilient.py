@@ -195,7 +195,7 @@ def _env_flag(name: str, default: bool) -> bool:
     return value == "1"
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     if value is None or value == "":
         return default
@@ -241,14 +241,14 @@ class Resilience:
         self._host_fits: deque[float] = deque(maxlen=HOST_FITS)
         self._gate = HostGate()
         self.exchange_bytes = (
-            _env_int("MRC_RESILIENT_EXCHANGE_BYTES", DEFAULT_EXCHANGE_BYTES)
+            env_int("MRC_RESILIENT_EXCHANGE_BYTES", DEFAULT_EXCHANGE_BYTES)
             if exchange_bytes is None
             else exchange_bytes
         )
         if self.exchange_bytes < 0:
             raise UsageError(f"exchange_bytes = {self.exchange_bytes}: must be >= 0")
         self.exchange_every = (
-            _env_int("MRC_RESILIENT_EXCHANGE_EVERY", DEFAULT_EXCHANGE_EVERY)
+            env_int("MRC_RESILIENT_EXCHANGE_EVERY", DEFAULT_EXCHANGE_EVERY)
             if exchange_every is None
             else exchange_every
         )

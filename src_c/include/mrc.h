@@ -297,6 +297,11 @@ int mrc_post(mrc_conn *c, const struct mrc_wr *wr, mrc_op **out);
  * exchanges. The completion may come up to 0.5 ms later. */
 #define MRC_POST_LAZY_ACK 0x200
 void mrc_ep_kick(mrc_ep *ep);
+/* The progress thread polls its sockets instead of sleeping until `us`
+ * microseconds from now (a later call may extend it, never shorten it): a
+ * caller about to wait on a short exchange saves the wake-ups of the thread
+ * for its posts and for the answers. Polling yields the CPU between looks. */
+void mrc_ep_busy_poll(mrc_ep *ep, uint32_t us);
 
 /* ---- collectives: reductions (reduce.c) ----------------------------------
  * acc[i] = acc[i] op src[i]. float16/bfloat16 (IEEE binary16 / the top half
@@ -392,6 +397,9 @@ struct mrc_coll_config {
     uint64_t chunk_bytes;   /* 0: 256 KiB; a multiple of 8 */
     int slots;              /* scratch slots per ring; 0: 4 */
     int window;             /* chunks in flight per peer and direction; 0: slots */
+    uint32_t busy_poll_us;  /* runs small enough for the bounce slots: the progress
+                             * thread polls for this long from their start
+                             * (mrc_ep_busy_poll); 0: it sleeps */
 };
 
 typedef struct mrc_coll mrc_coll;
@@ -480,6 +488,7 @@ struct mrc_ep_stats {
     uint64_t tx_sends;       /* datagrams handed to the kernel (a UDP GSO batch counts once) */
     uint64_t acks_carried;   /* ACKs that went in DATA packets (MRC_POST_LAZY_ACK); acks_tx
                               * counts those that went alone */
+    uint64_t busy_polls;     /* looks at the sockets instead of a sleep (mrc_ep_busy_poll) */
     int nconns;
     int nmrs;       /* memory regions registered (collectives keep their users' a while) */
     int npaths;     /* entries filled in paths[] */

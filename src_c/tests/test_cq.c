@@ -473,11 +473,67 @@ static void wait_min_and_more(void)
     free(dst);
 }
 
+static uint64_t busy_polls(mrc_ep *ep)
+{
+    struct mrc_ep_stats st;
+    CHECK_RC(mrc_ep_get_stats(ep, &st, NULL, 0));
+    return st.busy_polls;
+}
+
+/* mrc_ep_busy_poll: the idle progress thread looks at its sockets instead of
+ * sleeping until the deadline, a message exchanged meanwhile completes, and
+ * after the deadline it sleeps again (the count stands still). No deadline,
+ * no polls; a shorter one does not cut a longer one short. */
+static void busy_poll(void)
+{
+    enum { LEN = 64 };
+    mrc_ep_busy_poll(NULL, 1000);
+    mrc_ep_busy_poll(a, 0);
+    uint64_t idle0 = busy_polls(a);
+    CHECK(idle0 == 0); /* never asked: it only ever slept */
+    struct timespec ms20 = {0, 20 * 1000000};
+    mrc_ep_busy_poll(a, 300000);   /* 300 ms */
+    mrc_ep_busy_poll(a, 1);        /* shorter: changes nothing */
+    uint64_t t0 = (now_ns() / 1000000u);
+    while (busy_polls(a) < idle0 + 100 && (now_ns() / 1000000u) - t0 < 250)
+        sched_yield();
+    CHECK(busy_polls(a) >= idle0 + 100);
+    mrc_cq *cqa, *cqb;
+    CHECK_RC(mrc_cq_create(a, &cqa));
+    CHECK_RC(mrc_cq_create(b, &cqb));
+    uint8_t src[LEN], dst[LEN] = {0};
+    for (int i = 0; i < LEN; i++)
+        src[i] = (uint8_t)(i * 5 + 3);
+    mrc_mr *ms, *md;
+    CHECK_RC(mrc_mr_reg(a, src, LEN, 0, &ms));
+    CHECK_RC(mrc_mr_reg(b, dst, LEN, 0, &md));
+    struct mrc_wr r = {.kind = MRC_OP_RECV, .mr = md, .len = LEN, .tag = MRC_TAG_ANY, .cq = cqb};
+    struct mrc_wr w = {.kind = MRC_OP_SEND, .mr = ms, .len = LEN, .tag = 4, .cq = cqa};
+    CHECK_RC(mrc_post(cb[0], &r, NULL));
+    CHECK_RC(mrc_post(ca[0], &w, NULL));
+    struct mrc_wc wc[2];
+    CHECK(mrc_cq_wait_min(cqb, wc, 2, 1, 5000) == 1 && wc[0].status == 0);
+    CHECK(mrc_cq_wait_min(cqa, wc, 2, 1, 5000) == 1 && wc[0].status == 0);
+    CHECK(memcmp(src, dst, LEN) == 0);
+    /* Past the deadline (and any timer of that exchange) it sleeps again. */
+    while ((now_ns() / 1000000u) - t0 < 700)
+        nanosleep(&ms20, NULL);
+    uint64_t after = busy_polls(a);
+    struct timespec ms50 = {0, 50 * 1000000};
+    nanosleep(&ms50, NULL);
+    CHECK(busy_polls(a) == after);
+    CHECK_RC(mrc_mr_dereg(ms));
+    CHECK_RC(mrc_mr_dereg(md));
+    CHECK_RC(mrc_cq_destroy(cqa));
+    CHECK_RC(mrc_cq_destroy(cqb));
+}
+
 int main(void)
 {
     setup();
     many_ops();
     wait_min_and_more();
+    busy_poll();
     timeout_and_busy();
     usage_errors();
     op_waiters();
