@@ -3,7 +3,7 @@
 Runs as root. Fabric: routing/4host-4plane-1g.toml (4 planes x 1 Gbit/s per host, line
 4 Gbit/s), 4 ranks, one per host namespace, float32 sum:
 
-1. all_reduce 8 B .. 256 MiB (x2): mrc; mrc_planes (MRC_ROUTES=planes: a plain-IPv6 path
+1. all_reduce 8 B .. 256 MiB (x2; the mean of 100 operations up to 512 KiB, of 5 above): mrc; mrc_planes (MRC_ROUTES=planes: a plain-IPv6 path
    per plane, no SRH); Gloo (torch CPU, GLOO_SOCKET_IFNAME = the 4
    planes' interfaces); Open MPI (btl tcp,self on the 4 planes' interfaces) with its
    default algorithm and with its ring (coll_tuned_allreduce_algorithm=4). busbw as
@@ -12,8 +12,9 @@ Runs as root. Fabric: routing/4host-4plane-1g.toml (4 planes x 1 Gbit/s per host
    (<= 0.5), 8 B time / the better peer's (<= 1); the same for mrc_planes
    (summary["mrc_planes"]).
 2. all_gather, reduce_scatter, broadcast at 64 MiB: busbw of each.
-3. the targets again, in --rounds rounds (default 3): 8 B, 1 MiB and 64 MiB for mrc and
-   each peer in turn, every round a fresh start of each; the four ratios per round
+3. the targets again, in --rounds rounds (default 3): 8 B (the mean of 1000 operations),
+   1 MiB (of 30) and 64 MiB (of 5) for mrc and each peer in turn, every round a fresh
+   start of each; the four ratios per round
    (against the better peer of the same round) and their medians. Run-to-run spread on
    this VM is 10-15% for every framework, so one sweep can meet or miss a target by
    chance; summary["rounds"] says how many rounds met each target.
@@ -93,7 +94,7 @@ def sweep(fab: Any, fw: str, quick: bool) -> dict[str, Any]:
         runs = [launch(fab, fw, "all_reduce", [8, 256, 8 << 10, 256 << 10, 1 << 20, 4 << 20], 2, 1)]
     else:
         runs = [
-            launch(fab, fw, "all_reduce", sizes(8, 512 << 10), 20, 2),
+            launch(fab, fw, "all_reduce", sizes(8, 512 << 10), 100, 5),
             launch(fab, fw, "all_reduce", sizes(1 << 20, 256 << 20), 5, 1),
         ]
     rows = [row for r in runs for row in r.rows]
@@ -165,6 +166,9 @@ def ratios(
     return out
 
 
+LAT_ITERS = 1000  # 8 B operations per framework and round
+
+
 def target_rounds(fab: Any, n: int, quick: bool) -> dict[str, Any]:
     """The targets' sizes, mrc and the peers in turn, n rounds; ratios per round and
     their medians."""
@@ -174,9 +178,13 @@ def target_rounds(fab: Any, n: int, quick: bool) -> dict[str, Any]:
         click.echo(f"targets, round {k + 1} of {n}:")
         res: dict[str, dict[str, Any]] = {}
         for fw in ("mrc", *PEERS):
-            small = launch(fab, fw, "all_reduce", [8, 1 << 20], 2 if quick else 30, 2)
+            # 8 B: a mean over 1000 operations (0.1-1.3 s), so that one scheduling stall of
+            # a few ms on this 2-core host does not decide it (over 30, as before, one such
+            # stall moved the mean by 100 us or more).
+            tiny = launch(fab, fw, "all_reduce", [8], 2 if quick else LAT_ITERS, 2 if quick else 20)
+            small = launch(fab, fw, "all_reduce", [1 << 20], 2 if quick else 30, 2)
             large = launch(fab, fw, "all_reduce", [big], 2 if quick else 5, 1)
-            res[fw] = {"rows": small.rows + large.rows}
+            res[fw] = {"rows": tiny.rows + small.rows + large.rows}
             for row in res[fw]["rows"]:
                 click.echo(f"  {fw:12s} {row['size']:>10d} B {row['time_us']:12.1f} us")
         r = ratios(res, big, 1 << 20, 8)
