@@ -3,10 +3,11 @@
 Runs as root. Fabric: routing/4host-4plane-1g.toml (4 planes x 1 Gbit/s per host, line
 4 Gbit/s), 4 ranks, one per host namespace, float32 sum:
 
-1. all_reduce 8 B .. 256 MiB (x2; the mean of 100 operations up to 512 KiB, of 5 above): mrc; mrc_planes (MRC_ROUTES=planes: a plain-IPv6 path
-   per plane, no SRH); Gloo (torch CPU, GLOO_SOCKET_IFNAME = the 4
-   planes' interfaces); Open MPI (btl tcp,self on the 4 planes' interfaces) with its
-   default algorithm and with its ring (coll_tuned_allreduce_algorithm=4). busbw as
+1. all_reduce 8 B .. 256 MiB (x2; the mean of 100 operations up to 512 KiB, of 5 above):
+   mrc; mrc_planes (MRC_ROUTES=planes: a plain-IPv6 path per plane, no SRH); Gloo (torch
+   CPU, GLOO_SOCKET_IFNAME = the 4 planes' interfaces); Open MPI (btl tcp,self on the 4
+   planes' interfaces) with its default algorithm and with its ring
+   (coll_tuned_allreduce_algorithm=4). busbw as
    nccl-tests (2(n-1)/n), CPU use, and the issue's ratios: mrc busbw at 64 MiB / the
    better peer (target >= 1.3) and / line (>= 0.85), 1 MiB time / the better peer's
    (<= 0.5), 8 B time / the better peer's (<= 1); the same for mrc_planes
