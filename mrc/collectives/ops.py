@@ -58,8 +58,8 @@ WINDOW = 4
 # Small calls (send + recv within the executor's 256 KiB bounce slots): the progress
 # thread polls for this long from each one's start instead of sleeping
 # (MRC_BUSY_POLL_US; 0: it sleeps). On the shaped fabric, 4 ranks on 2 cores, 8 rounds
-# interleaved: 8 B all_reduce 96-182 us against 242-263 us sleeping; 1 MiB unchanged
-# (docs/architecture.md, "Where a small collective's time goes").
+# interleaved: 8 B all_reduce 109-182 us against 242-263 us sleeping (medians 135, 255);
+# 1 MiB unchanged (docs/architecture.md, "Where a small collective's time goes").
 BUSY_POLL_US = 1000
 
 

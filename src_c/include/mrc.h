@@ -297,10 +297,11 @@ int mrc_post(mrc_conn *c, const struct mrc_wr *wr, mrc_op **out);
  * exchanges. The completion may come up to 0.5 ms later. */
 #define MRC_POST_LAZY_ACK 0x200
 void mrc_ep_kick(mrc_ep *ep);
-/* The progress thread polls its sockets instead of sleeping until `us`
- * microseconds from now (a later call may extend it, never shorten it): a
- * caller about to wait on a short exchange saves the wake-ups of the thread
- * for its posts and for the answers. Polling yields the CPU between looks. */
+/* Until `us` microseconds from now, each time the progress thread would
+ * sleep it polls its sockets instead, yielding the CPU between looks (a thread
+ * already asleep starts at its next wake-up: a post wakes it). A later call
+ * may extend the deadline, never shorten it. For a caller about to post a
+ * short exchange: the thread needs no wake-up for its posts or the answers. */
 void mrc_ep_busy_poll(mrc_ep *ep, uint32_t us);
 
 /* ---- collectives: reductions (reduce.c) ----------------------------------
