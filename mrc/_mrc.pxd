@@ -161,7 +161,8 @@ cdef extern from "mrc.h" nogil:
         uint64_t acked_bytes, rnr_naks, rnr_ready, staged_bytes, staged_msgs
         uint64_t lost_rack, lost_rto, spurious_rto, lost_flush, probe_timeouts, link_events
         uint64_t seg6route_failures
-        uint64_t loop_iters, rx_reads, rx_gro_reads, tx_sends, acks_carried, busy_polls
+        uint64_t loop_iters, rx_reads, rx_gro_reads, tx_sends, acks_carried, acks_no_room
+        uint64_t busy_polls, caller_passes
         int nconns
         int nmrs
         int npaths

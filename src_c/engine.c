@@ -11,6 +11,7 @@
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <unistd.h>
 
@@ -269,31 +270,65 @@ static uint32_t engine_ready(mrc_ep *ep)
 }
 
 /* Sleeps in epoll until a socket, the eventfd, netlink or the next timer
- * (none: no limit) wakes the loop. Returns the readable plane sockets, or
- * UINT32_MAX when it did not sleep (the caller asks engine_ready). */
+ * (none: no limit) wakes the loop; while quiet, on the eventfd and netlink
+ * only, until the quiet ends or a delayed ACK is due. Returns the readable
+ * plane sockets, or UINT32_MAX when it did not sleep or does not know (the
+ * caller asks engine_ready). */
 static uint32_t engine_sleep(mrc_ep *ep, uint64_t now)
 {
-    pthread_mutex_lock(&ep->lock);
-    bool idle = !ep->subq_head && !ep->ctlq_head && !ep->stopping;
-    ep->sleeping = idle;
-    pthread_mutex_unlock(&ep->lock);
-    if (!idle)
-        return UINT32_MAX;
     struct epoll_event evs[MRC_MAX_PLANES + 2];
     uint64_t due = ep->next_timer_ns < ep->ack_due_ns ? ep->next_timer_ns : ep->ack_due_ns;
     if (engine_unsent(ep) && due > now + MRC_TIMER_NS)
         due = now + MRC_TIMER_NS;
+    /* Quiet (mrc_ep_progress_end): the callers' passes run the timers too. */
+    uint64_t quiet = atomic_load_explicit(&ep->quiet_until_ns, memory_order_relaxed);
+    if (now < quiet) /* delayed ACKs still go out in time: a peer may wait on them */
+        due = quiet < ep->ack_due_ns ? quiet : ep->ack_due_ns;
+    pthread_mutex_lock(&ep->lock);
+    bool idle = !ep->subq_head && !ep->ctlq_head && !ep->stopping;
+    ep->sleeping = idle;
+    ep->sleep_due = due; /* a caller's passes that need it sooner wake us */
+    ep->sleep_quiet = now < quiet;
+    pthread_mutex_unlock(&ep->lock);
+    if (!idle)
+        return UINT32_MAX;
+    /* Callers may run passes while we sleep (mrc_ep_progress). */
+    pthread_mutex_unlock(&ep->turn_lock);
     /* Busy-poll (mrc_ep_busy_poll): look without sleeping, yielding between
      * looks, so a post (the eventfd) or an arrival is seen without a wake-up. */
     int n = 0;
+    uint64_t looks = 0;
     uint64_t poll_until = atomic_load_explicit(&ep->poll_until_ns, memory_order_relaxed);
     while (now < poll_until && now < due) {
         n = epoll_wait(ep->epfd, evs, MRC_MAX_PLANES + 2, 0);
-        ep->st.busy_polls++;
+        looks++;
         if (n)
             break;
         sched_yield();
         now = now_ns();
+    }
+    /* Quiet (mrc_ep_progress_end): the sockets are the callers' for now (an
+     * arrival waits for the next call's passes, not for a wake-up here). */
+    bool nl = false;
+    if (!n && now < quiet) {
+        uint64_t wait = due > now ? due - now : 0;
+        struct timespec ts = {.tv_sec = (time_t)(wait / 1000000000ull),
+                              .tv_nsec = (long)(wait % 1000000000ull)};
+        struct pollfd pf[2] = {{.fd = ep->evfd, .events = POLLIN},
+                               {.fd = ep->nl_fd, .events = POLLIN}};
+        if (ppoll(pf, ep->nl_fd >= 0 ? 2 : 1, &ts, NULL) > 0) {
+            uint64_t v;
+            if (pf[0].revents && read(ep->evfd, &v, sizeof(v)) < 0) {
+            }
+            nl = ep->nl_fd >= 0 && pf[1].revents;
+        }
+        pthread_mutex_lock(&ep->lock);
+        ep->sleeping = false;
+        pthread_mutex_unlock(&ep->lock);
+        pthread_mutex_lock(&ep->turn_lock);
+        ep->st.busy_polls += looks;
+        ep->nl_ready |= nl;
+        return UINT32_MAX;
     }
     if (!n) {
         uint64_t wait = due > now ? due - now : 0;
@@ -302,11 +337,59 @@ static uint32_t engine_sleep(mrc_ep *ep, uint64_t now)
         n = epoll_pwait2(ep->epfd, evs, MRC_MAX_PLANES + 2, due == UINT64_MAX ? NULL : &ts,
                          NULL);
     }
-    uint32_t ready = n > 0 ? engine_events(ep, evs, n) : 0;
     pthread_mutex_lock(&ep->lock);
     ep->sleeping = false;
     pthread_mutex_unlock(&ep->lock);
+    pthread_mutex_lock(&ep->turn_lock); /* a caller holding the progress: until it ends */
+    ep->st.busy_polls += looks;
+    uint32_t ready = n > 0 ? engine_events(ep, evs, n) : 0;
     return ep->nplanes <= 1 ? 1u : ready;
+}
+
+/* One pass: takes posted work, receives, acknowledges, runs timers,
+ * transmits and publishes completions; `ready` the plane sockets to read
+ * (UINT32_MAX: ask epoll without sleeping). Runs under turn_lock, on the
+ * progress thread or on a caller holding the progress (mrc_ep_progress).
+ * Returns false when stopping. */
+static bool engine_turn(mrc_ep *ep, uint32_t ready)
+{
+    ep->work = false;
+    if (!engine_drain(ep))
+        return false;
+    if (ready == UINT32_MAX)
+        ready = engine_ready(ep);
+    for (int i = 0; i < ep->nplanes; i++) {
+        if (!(ready & (1u << i)))
+            continue;
+        /* Bounded bursts per plane: one busy plane cannot starve the
+         * others or the transmit side. */
+        for (int k = 0; k < 4; k++) {
+            int n = sock_recv_pt(ep, i);
+            if (n < MRC_BATCH)
+                break;
+        }
+    }
+    uint64_t now = now_ns();
+    rx_flush_acks_pt(ep, now);
+    rx_copy_run_pt(ep); /* staged messages, a slice per pass */
+    if (ep->nl_ready) {
+        ep->nl_ready = false;
+        link_poll_pt(ep);
+    }
+    if (now >= ep->next_timer_ns) {
+        link_poll_pt(ep); /* a busy loop may not sleep to see netlink wake it */
+        engine_timers(ep, now);
+    }
+    /* Only connections with timers can have something to send: data to
+     * send means ops queued, retransmissions mean packets in flight. */
+    for (mrc_conn *c = ep->timed; c; c = c->next_timed)
+        if (tx_run_pt(c))
+            ep->work = true;
+    sock_flush_all_pt(ep);
+    ep_hold_pt(ep, false);
+    ep_publish_pt(ep);
+    ep->st.loop_iters++;
+    return true;
 }
 
 void *engine_main(void *arg)
@@ -315,45 +398,9 @@ void *engine_main(void *arg)
     ep->next_timer_ns = UINT64_MAX; /* nothing to time until something is posted */
     ep->ack_due_ns = UINT64_MAX;
     uint32_t ready = UINT32_MAX; /* plane sockets to read: the last epoll's answer */
-    for (;;) {
-        ep->work = false;
-        if (!engine_drain(ep))
-            break;
-        if (ready == UINT32_MAX)
-            ready = engine_ready(ep);
-        for (int i = 0; i < ep->nplanes; i++) {
-            if (!(ready & (1u << i)))
-                continue;
-            /* Bounded bursts per plane: one busy plane cannot starve the
-             * others or the transmit side. */
-            for (int k = 0; k < 4; k++) {
-                int n = sock_recv_pt(ep, i);
-                if (n < MRC_BATCH)
-                    break;
-            }
-        }
-        uint64_t now = now_ns();
-        rx_flush_acks_pt(ep, now);
-        rx_copy_run_pt(ep); /* staged messages, a slice per pass */
-        if (ep->nl_ready) {
-            ep->nl_ready = false;
-            link_poll_pt(ep);
-        }
-        if (now >= ep->next_timer_ns) {
-            link_poll_pt(ep); /* a busy loop may not sleep to see netlink wake it */
-            engine_timers(ep, now);
-        }
-        /* Only connections with timers can have something to send: data to
-         * send means ops queued, retransmissions mean packets in flight. */
-        for (mrc_conn *c = ep->timed; c; c = c->next_timed)
-            if (tx_run_pt(c))
-                ep->work = true;
-        sock_flush_all_pt(ep);
-        ep_hold_pt(ep, false);
-        ep_publish_pt(ep);
-        ep->st.loop_iters++;
+    pthread_mutex_lock(&ep->turn_lock);
+    while (engine_turn(ep, ready))
         ready = ep->work ? UINT32_MAX : engine_sleep(ep, now_ns());
-    }
     /* Stopping: every connection fails its pending operations. */
     while (ep->pt_conns)
         conn_del_pt(ep, ep->pt_conns);
@@ -367,9 +414,90 @@ void *engine_main(void *arg)
     }
     ep_hold_pt(ep, true);
     ep_publish_pt(ep);
+    ep->pt_exited = true; /* no caller runs a pass from here on */
+    pthread_mutex_unlock(&ep->turn_lock);
     pthread_mutex_lock(&ep->lock);
     ep->stopped = true; /* ep_ctl callers may answer now */
     pthread_cond_broadcast(&ep->cv);
     pthread_mutex_unlock(&ep->lock);
     return NULL;
+}
+
+/* ---- caller-driven progress (mrc_ep_progress) ----------------------------
+ * The progress thread runs its passes under turn_lock and lets go of it only
+ * to sleep; a caller holding it runs the passes itself, and the thread, if
+ * something wakes it meanwhile, waits on the lock: a short exchange then
+ * costs no hand-over between threads at either end (post, completion). */
+
+/* The endpoint whose progress this thread holds: requests to the progress
+ * thread made here run here (ep_ctl_here), since it waits for this thread. */
+static _Thread_local const mrc_ep *held_here;
+
+bool ep_progress_held_here(const mrc_ep *ep) { return held_here == ep; }
+
+int mrc_ep_progress_begin(mrc_ep *ep)
+{
+    if (!ep || held_here)
+        return MRC_EUSAGE; /* one endpoint per thread, and not twice */
+    if (pthread_mutex_trylock(&ep->turn_lock))
+        return 0; /* a pass is running on another thread */
+    pthread_mutex_lock(&ep->lock);
+    bool closing = ep->stopping || ep->pt_exited;
+    if (!closing)
+        ep->progress_held = true;
+    pthread_mutex_unlock(&ep->lock);
+    if (closing) {
+        pthread_mutex_unlock(&ep->turn_lock);
+        return MRC_ECLOSED;
+    }
+    held_here = ep;
+    return 1;
+}
+
+int ep_ctl_here(mrc_ep *ep, struct ctl *x)
+{
+    engine_drain(ep); /* what was posted before it first, as the thread does */
+    ep_ctl_run_pt(ep, x);
+    ep_hold_pt(ep, false);
+    ep_publish_pt(ep);
+    ep->work = true;
+    return x->rc;
+}
+
+int mrc_ep_progress(mrc_ep *ep)
+{
+    if (!ep || held_here != ep)
+        return MRC_EUSAGE;
+    ep->st.caller_passes++;
+    if (!engine_turn(ep, UINT32_MAX))
+        return MRC_ECLOSED; /* the progress thread stops: end now */
+    return ep->work || ep->done_head ? 1 : 0;
+}
+
+void mrc_ep_progress_end(mrc_ep *ep, uint32_t quiet_us)
+{
+    if (!ep || held_here != ep)
+        return;
+    held_here = NULL;
+    uint64_t now = now_ns();
+    atomic_store_explicit(&ep->quiet_until_ns, quiet_us ? now + (uint64_t)quiet_us * 1000u : 0,
+                          memory_order_relaxed);
+    /* A thread asleep sleeps until what it knew was due. Wake it for work
+     * left, for a delayed ACK due sooner (a peer may wait on it), and, when
+     * not quiet, for timers due sooner or to end a quiet sleep. */
+    uint64_t due = ep->next_timer_ns < ep->ack_due_ns ? ep->next_timer_ns : ep->ack_due_ns;
+    bool unsent = engine_unsent(ep);
+    pthread_mutex_lock(&ep->lock);
+    ep->progress_held = false;
+    bool wake = ep->sleeping &&
+                (ep->subq_head || ep->ctlq_head || ep->wake_deferred || unsent ||
+                 ep->ack_due_ns < ep->sleep_due ||
+                 (!quiet_us && (ep->sleep_quiet || due < ep->sleep_due)));
+    ep->wake_deferred = false;
+    pthread_mutex_unlock(&ep->lock);
+    if (wake)
+        ep_wake(ep);
+    /* Last: once the thread has the lock it may be stopping, and the
+     * endpoint gone as soon as it returns (mrc_ep_destroy on another thread). */
+    pthread_mutex_unlock(&ep->turn_lock);
 }

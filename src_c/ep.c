@@ -135,6 +135,7 @@ int mrc_ep_create(const struct mrc_ep_config *cfg, mrc_ep **out)
         ep->mr_free[ep->nmr_free++] = MRC_SLOTS - i;
     }
     pthread_mutex_init(&ep->lock, NULL);
+    pthread_mutex_init(&ep->turn_lock, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -189,6 +190,7 @@ err_free:
         close(ep->evfd);
     free(ep->rxbuf);
     pthread_mutex_destroy(&ep->lock);
+    pthread_mutex_destroy(&ep->turn_lock);
     pthread_cond_destroy(&ep->cv);
     for (int i = 0; i < MRC_OP_CVS; i++)
         pthread_cond_destroy(&ep->op_cv[i]);
@@ -200,6 +202,8 @@ void mrc_ep_destroy(mrc_ep *ep)
 {
     if (!ep)
         return;
+    if (ep_progress_held_here(ep))
+        mrc_ep_progress_end(ep, 0); /* the thread we join waits for it */
     hs_free(ep); /* first: waits for accept calls in other threads to return */
     pthread_mutex_lock(&ep->lock);
     ep->stopping = true;
@@ -235,6 +239,7 @@ void ep_unref(mrc_ep *ep)
     if (atomic_fetch_sub(&ep->refs, 1) != 1)
         return;
     pthread_mutex_destroy(&ep->lock);
+    pthread_mutex_destroy(&ep->turn_lock);
     pthread_cond_destroy(&ep->cv);
     for (int i = 0; i < MRC_OP_CVS; i++)
         pthread_cond_destroy(&ep->op_cv[i]);
@@ -282,8 +287,8 @@ void mrc_ep_kick(mrc_ep *ep)
     if (!ep)
         return;
     pthread_mutex_lock(&ep->lock);
-    bool wake = ep->wake_deferred && ep->sleeping;
-    ep->wake_deferred = false;
+    bool wake = ep->wake_deferred && ep->sleeping && !ep->progress_held;
+    ep->wake_deferred = ep->wake_deferred && ep->progress_held; /* the holder ends: then */
     pthread_mutex_unlock(&ep->lock);
     if (wake)
         ep_wake(ep);
@@ -312,6 +317,8 @@ void ep_wake(mrc_ep *ep)
 /* Runs a control request on the progress thread and waits for it. */
 int ep_ctl(mrc_ep *ep, struct ctl *c)
 {
+    if (ep_progress_held_here(ep))
+        return ep_ctl_here(ep, c); /* this thread runs the passes now */
     c->done = false;
     c->next = NULL;
     pthread_mutex_lock(&ep->lock);
@@ -383,9 +390,14 @@ static int op_post(mrc_conn *c, mrc_op *op, mrc_op **out)
     else
         ep->subq_head = op;
     ep->subq_tail = op;
+    /* A caller holding the progress drains it; ending, it wakes the thread
+     * for what is left (mrc_ep_progress_end). */
     bool more = op->flags & MRC_POST_MORE;
-    bool wake = ep->sleeping && !more;
-    ep->wake_deferred = ep->sleeping && more;
+    bool wake = false;
+    if (!ep->progress_held) {
+        wake = ep->sleeping && !more;
+        ep->wake_deferred = ep->sleeping && more;
+    }
     pthread_mutex_unlock(&ep->lock);
     if (wake)
         ep_wake(ep);

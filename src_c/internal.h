@@ -412,6 +412,7 @@ struct mrc_ep {
      * and condition) lives until the last op goes (ep_unref). */
     atomic_int refs;
     _Atomic uint64_t poll_until_ns; /* mrc_ep_busy_poll: the loop polls until then */
+    _Atomic uint64_t quiet_until_ns; /* mrc_ep_progress_end: sockets left to callers */
     int nplanes;
     struct plane planes[MRC_MAX_PLANES];
     int epfd, evfd, nl_fd;
@@ -425,6 +426,9 @@ struct mrc_ep {
     pthread_cond_t op_cv[MRC_OP_CVS];   /* op waiters, by op_cv_index: a batch wakes only
                                          * the buckets of its ops that someone waits on */
     bool stopping, sleeping;
+    bool progress_held; /* a caller holds the progress (mrc_ep_progress_begin) */
+    uint64_t sleep_due; /* while sleeping: when the progress thread wakes by itself */
+    bool sleep_quiet;   /* ... and it leaves the sockets to callers (quiet_until_ns) */
     bool wake_deferred; /* an MRC_POST_MORE post found the thread asleep */
     bool stopped;      /* the progress thread has returned: nothing touches objects now */
     mrc_op *subq_head, *subq_tail;
@@ -436,7 +440,9 @@ struct mrc_ep {
     mrc_cq *own_cqs, *own_cqs_tail;
     struct hs_state *hs; /* [lock] listeners and pending hellos (handshake.c) */
 
-    /* progress thread */
+    /* progress thread, or a caller holding the progress: under turn_lock */
+    pthread_mutex_t turn_lock;
+    bool pt_exited;          /* the progress thread failed everything and left */
     int nsocks;
     struct msock *socks[MRC_MAX_SOCKS];
     mrc_conn *conns[MRC_SLOTS];
@@ -589,6 +595,9 @@ void link_poll_pt(mrc_ep *ep);
 
 /* engine.c */
 void *engine_main(void *arg);
+bool ep_progress_held_here(const mrc_ep *ep);
+/* ep_ctl on a thread holding the progress: runs the request there. */
+int ep_ctl_here(mrc_ep *ep, struct ctl *x);
 void conn_arm_timer_pt(mrc_conn *c);
 
 #define MRC_RNR_MIN_NS 1000000ull    /* first back-off after a receiver-not-ready */

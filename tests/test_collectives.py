@@ -537,26 +537,34 @@ def test_a_repeated_call_checks_its_buffers_again() -> None:
         assert rk._coll_calls, "the repeated calls took the remembered path"
 
 
-def test_small_calls_ask_the_progress_thread_to_busy_poll(monkeypatch: Any) -> None:
-    """A call that fits the bounce slots asks the progress thread to poll its sockets
-    instead of sleeping for busy_poll_us (ep.stats()["busy_polls"] counts the looks);
-    MRC_BUSY_POLL_US=0 keeps it sleeping, with the same bits; a bad value is refused."""
-    ins = [data("float32", 1000, r) for r in range(2)]
-    want = bits(M.reference(ins, "float32", "sum"))
-    for env, polls in (("0", False), (None, True)):
+def test_small_calls_drive_the_progress_or_ask_for_a_busy_poll(monkeypatch: Any) -> None:
+    """A call of up to 4 KiB runs the endpoint's progress passes on the calling thread
+    (ep.stats()["caller_passes"]); a larger one that fits the bounce slots asks the
+    progress thread to poll its sockets instead of sleeping (["busy_polls"]), both for
+    busy_poll_us. MRC_BUSY_POLL_US=0 does neither, with the same bits; a bad value is
+    refused."""
+    tiny = [data("float32", 1000, r) for r in range(2)]  # 4000 B: the caller drives
+    small = [data("float32", 10_000, r) for r in range(2)]  # 40 KB: the thread polls
+    want = [bits(M.reference(ins, "float32", "sum")) for ins in (tiny, small)]
+    for env, on in (("0", False), (None, True)):
         if env is None:
             monkeypatch.delenv("MRC_BUSY_POLL_US")
         else:
             monkeypatch.setenv("MRC_BUSY_POLL_US", env)
         with mesh(2) as rs:
-            assert rs[0].collective_stats()["busy_poll_us"] == (O.BUSY_POLL_US if polls else 0)
-            for _ in range(5):
-                got = ok(run_ranks(rs, lambda rk: rk.all_reduce(ins[rk.rank].copy())))
-                assert all(bits(g) == want for g in got)
-            if polls:
+            assert rs[0].collective_stats()["busy_poll_us"] == (O.BUSY_POLL_US if on else 0)
+            for k, ins in enumerate((tiny, small)):
+                for _ in range(5):
+                    got = ok(run_ranks(rs, lambda rk, ins=ins: rk.all_reduce(ins[rk.rank].copy())))
+                    assert all(bits(g) == want[k] for g in got)
+                if k == 0:
+                    passes = [rk.endpoint.stats()["caller_passes"] for rk in rs]
+                    assert all(passes) if on else passes == [0, 0]
+            polls = [rk.endpoint.stats()["busy_polls"] for rk in rs]
+            if on:
                 wait_for(lambda rs=rs: all(rk.endpoint.stats()["busy_polls"] for rk in rs))
             else:
-                assert [rk.endpoint.stats()["busy_polls"] for rk in rs] == [0, 0]
+                assert polls == [0, 0]
     monkeypatch.setenv("MRC_BUSY_POLL_US", "soon")
     with pytest.raises(UsageError, match="MRC_BUSY_POLL_US"), mesh(2):
         pass

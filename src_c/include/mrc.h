@@ -303,6 +303,27 @@ void mrc_ep_kick(mrc_ep *ep);
  * may extend the deadline, never shorten it. For a caller about to post a
  * short exchange: the thread needs no wake-up for its posts or the answers. */
 void mrc_ep_busy_poll(mrc_ep *ep, uint32_t us);
+/* Caller-driven progress (libfabric's manual progress, for a thread about to
+ * wait on a CQ for a short exchange): a thread holding the endpoint's
+ * progress runs the progress thread's passes itself (mrc_ep_progress: takes
+ * posts, receives, acknowledges, runs timers, transmits, publishes
+ * completions, without sleeping), so neither its posts nor the answers wait
+ * for a hand-over between threads; the progress thread waits meanwhile.
+ * begin: 1 held; 0 the progress thread is in a pass (try again); MRC_ECLOSED
+ * the endpoint is stopping; MRC_EUSAGE this thread already holds one.
+ * mrc_ep_progress: 1 it did something, 0 nothing to do, MRC_ECLOSED stopping
+ * (end now). While a thread holds it, requests that the progress thread
+ * would run (regions, connections, stats) run on that thread; the holder
+ * should end within a millisecond or so: other threads' posts wait for its
+ * passes, and mrc_ep_destroy on the holder ends it first.
+ * end's quiet_us: for that long the progress thread leaves the sockets to
+ * the next holder (it wakes for posts, netlink and delayed ACKs, not for
+ * arrivals or its timer scan), so that a loop of short exchanges costs it no
+ * wake-up; 0: it takes over at once (the caller is about to sleep on a CQ).
+ * Meanwhile an arrival for another thread's operation waits up to quiet_us. */
+int mrc_ep_progress_begin(mrc_ep *ep);
+int mrc_ep_progress(mrc_ep *ep);
+void mrc_ep_progress_end(mrc_ep *ep, uint32_t quiet_us);
 
 /* ---- collectives: reductions (reduce.c) ----------------------------------
  * acc[i] = acc[i] op src[i]. float16/bfloat16 (IEEE binary16 / the top half
@@ -400,7 +421,10 @@ struct mrc_coll_config {
     int window;             /* chunks in flight per peer and direction; 0: slots */
     uint32_t busy_poll_us;  /* runs small enough for the bounce slots: the progress
                              * thread polls for this long from their start
-                             * (mrc_ep_busy_poll); 0: it sleeps */
+                             * (mrc_ep_busy_poll), or, up to 4 KiB, the calling
+                             * thread runs the progress itself that long and leaves
+                             * the sockets to the next call as long after
+                             * (mrc_ep_progress); 0: neither */
 };
 
 typedef struct mrc_coll mrc_coll;
@@ -489,7 +513,11 @@ struct mrc_ep_stats {
     uint64_t tx_sends;       /* datagrams handed to the kernel (a UDP GSO batch counts once) */
     uint64_t acks_carried;   /* ACKs that went in DATA packets (MRC_POST_LAZY_ACK); acks_tx
                               * counts those that went alone */
+    uint64_t acks_no_room;   /* held ACKs sent alone at once: the DATA going back that was
+                              * to carry them was a full datagram */
     uint64_t busy_polls;     /* looks at the sockets instead of a sleep (mrc_ep_busy_poll) */
+    uint64_t caller_passes;  /* progress passes run by a caller holding the progress
+                              * (mrc_ep_progress) */
     int nconns;
     int nmrs;       /* memory regions registered (collectives keep their users' a while) */
     int npaths;     /* entries filled in paths[] */

@@ -3,7 +3,8 @@
  * complete exactly once each on their CQ with their ctx, immediates of bound
  * connections arrive as MRC_WC_IMM, the eventfd is readable exactly while
  * entries wait (once asked for), wait_min sleeps for a count, MRC_POST_MORE
- * posts go out on mrc_ep_kick, wait times out, destroy refuses while in use, and an
+ * posts go out on mrc_ep_kick, a caller may drive the progress itself
+ * (mrc_ep_progress), wait times out, destroy refuses while in use, and an
  * endpoint destroyed with ops pending on open CQs frees everything (run under
  * ASan's leak checker by `make asan-test`).
  */
@@ -527,12 +528,212 @@ static void busy_poll(void)
     CHECK_RC(mrc_cq_destroy(cqb));
 }
 
+static struct mrc_ep_stats stats_of(mrc_ep *ep)
+{
+    struct mrc_ep_stats st;
+    CHECK_RC(mrc_ep_get_stats(ep, &st, NULL, 0));
+    return st;
+}
+
+/* Until ep's progress thread sleeps with nothing due for 20 ms (the last
+ * exchange's timers done), up to 2 s. */
+static void wait_asleep(mrc_ep *ep)
+{
+    uint64_t t0 = now_ns();
+    for (bool idle = false; !idle && now_ns() - t0 < 2000000000ull;) {
+        pthread_mutex_lock(&ep->lock);
+        idle = ep->sleeping && !ep->subq_head && ep->sleep_due > now_ns() + 20000000ull;
+        pthread_mutex_unlock(&ep->lock);
+        if (!idle)
+            sched_yield();
+    }
+}
+
+/* A LAZY SEND's ACK waits for DATA going back to carry it; DATA that is a
+ * full datagram (mss of payload) has no room for it, so it goes alone at
+ * once (acks_no_room) and the SEND completes. B's full SEND is posted with
+ * MRC_POST_MORE while B's progress thread sleeps, so the thread takes it in
+ * the pass that A's packet wakes, behind that packet; should the thread wake
+ * for something else in between, it goes before any ACK is owed and the
+ * round goes again. */
+static void lazy_ack_no_room(void)
+{
+    uint32_t mss = cb[2]->mss;
+    uint8_t *big = calloc(mss, 1), *small = calloc(64, 1);
+    for (uint32_t i = 0; i < mss; i++)
+        big[i] = (uint8_t)(i * 13 + 5);
+    mrc_mr *ma, *mb, *msa, *msb;
+    CHECK_RC(mrc_mr_reg(a, big, mss, 0, &ma));
+    uint8_t *got = calloc(mss, 1);
+    CHECK_RC(mrc_mr_reg(a, got, mss, 0, &msa));
+    CHECK_RC(mrc_mr_reg(b, big, mss, 0, &mb));
+    CHECK_RC(mrc_mr_reg(b, small, 64, 0, &msb));
+    mrc_cq *cqa, *cqb;
+    CHECK_RC(mrc_cq_create(a, &cqa));
+    CHECK_RC(mrc_cq_create(b, &cqb));
+    bool seen = false;
+    for (int round = 0; round < 5 && !seen; round++) {
+        uint64_t before = stats_of(b).acks_no_room;
+        struct mrc_wc wc[4];
+        struct mrc_wr ra = {.kind = MRC_OP_RECV, .mr = msa, .len = mss, .tag = 21, .cq = cqa};
+        struct mrc_wr rb = {.kind = MRC_OP_RECV, .mr = msb, .len = 1, .tag = 20, .cq = cqb};
+        CHECK_RC(mrc_post(ca[2], &ra, NULL));
+        CHECK_RC(mrc_post(cb[2], &rb, NULL));
+        struct mrc_wr sb = {.kind = MRC_OP_SEND, .mr = mb, .len = mss, .tag = 21, .cq = cqb,
+                            .flags = MRC_POST_LAZY_ACK | MRC_POST_MORE};
+        wait_asleep(b);
+        CHECK_RC(mrc_post(cb[2], &sb, NULL));
+        struct mrc_wr sa = {.kind = MRC_OP_SEND, .mr = ma, .len = 1, .tag = 20, .cq = cqa,
+                            .flags = MRC_POST_LAZY_ACK};
+        CHECK_RC(mrc_post(ca[2], &sa, NULL));
+        /* a: its RECV of b's data and its SEND (acknowledged); b: the same */
+        drain(cqa, wc, 2);
+        CHECK(wc[0].status == 0 && wc[1].status == 0);
+        drain(cqb, wc, 2);
+        CHECK(wc[0].status == 0 && wc[1].status == 0);
+        CHECK(memcmp(got, big, mss) == 0 && small[0] == big[0]);
+        memset(got, 0, mss);
+        seen = stats_of(b).acks_no_room > before;
+    }
+    CHECK(seen);
+    CHECK_RC(mrc_mr_dereg(ma));
+    CHECK_RC(mrc_mr_dereg(mb));
+    CHECK_RC(mrc_mr_dereg(msa));
+    CHECK_RC(mrc_mr_dereg(msb));
+    CHECK_RC(mrc_cq_destroy(cqa));
+    CHECK_RC(mrc_cq_destroy(cqb));
+    free(big);
+    free(small);
+    free(got);
+}
+
+static uint64_t caller_passes(mrc_ep *ep)
+{
+    struct mrc_ep_stats st;
+    CHECK_RC(mrc_ep_get_stats(ep, &st, NULL, 0));
+    return st.caller_passes;
+}
+
+static void *try_begin(void *arg)
+{
+    return (void *)(intptr_t)mrc_ep_progress_begin(arg);
+}
+
+/* A SEND a -> b of LEN bytes; with `drive`, this thread runs a's passes
+ * (mrc_ep_progress) until it completes, else it waits on the CQ. */
+static void exchange(mrc_cq *cqa, mrc_cq *cqb, mrc_mr *ms, mrc_mr *md, size_t len, bool drive)
+{
+    struct mrc_wr r = {.kind = MRC_OP_RECV, .mr = md, .len = len, .tag = MRC_TAG_ANY, .cq = cqb};
+    struct mrc_wr w = {.kind = MRC_OP_SEND, .mr = ms, .len = len, .tag = 9, .cq = cqa};
+    CHECK_RC(mrc_post(cb[1], &r, NULL));
+    CHECK_RC(mrc_post(ca[1], &w, NULL));
+    struct mrc_wc wc[2];
+    if (drive) {
+        uint64_t t0 = now_ns();
+        int n = 0;
+        while (!n && now_ns() - t0 < 5000000000ull) {
+            CHECK(mrc_ep_progress(a) >= 0);
+            n = mrc_cq_poll(cqa, wc, 2);
+        }
+        CHECK(n == 1 && wc[0].status == 0);
+    } else {
+        CHECK(mrc_cq_wait_min(cqa, wc, 2, 1, 5000) == 1 && wc[0].status == 0);
+    }
+    CHECK(mrc_cq_wait_min(cqb, wc, 2, 1, 5000) == 1 && wc[0].status == 0);
+}
+
+/* Caller-driven progress: while this thread holds a's progress it runs a's
+ * passes and an exchange completes through them (caller_passes counts
+ * them); a request to the progress thread made meanwhile (stats) runs here;
+ * a second hold (same or another endpoint) on this thread and mrc_ep_progress
+ * without one are refused, another thread's begin finds it busy. After the
+ * end, quiet or not, exchanges complete without a holder (a post wakes the
+ * quiet thread), and a holder whose endpoint is destroyed by another thread
+ * sees MRC_ECLOSED instead of hanging either of them. */
+static void *destroyer(void *arg)
+{
+    mrc_ep_destroy(arg);
+    return NULL;
+}
+
+static void caller_progress(void)
+{
+    enum { LEN = 3000 };
+    CHECK(mrc_ep_progress(a) == MRC_EUSAGE);
+    CHECK(mrc_ep_progress_begin(NULL) == MRC_EUSAGE);
+    mrc_ep_progress_end(a, 0); /* not held: nothing */
+    mrc_cq *cqa, *cqb;
+    CHECK_RC(mrc_cq_create(a, &cqa));
+    CHECK_RC(mrc_cq_create(b, &cqb));
+    static uint8_t src[LEN], dst[LEN];
+    for (int i = 0; i < LEN; i++)
+        src[i] = (uint8_t)(i * 7 + 1);
+    mrc_mr *ms, *md;
+    CHECK_RC(mrc_mr_reg(a, src, LEN, 0, &ms));
+    CHECK_RC(mrc_mr_reg(b, dst, LEN, 0, &md));
+    uint64_t before = caller_passes(a);
+    CHECK(before == 0);
+    int h;
+    while ((h = mrc_ep_progress_begin(a)) == 0) /* the thread was in a pass */
+        sched_yield();
+    CHECK(h == 1);
+    CHECK(mrc_ep_progress_begin(a) == MRC_EUSAGE);
+    CHECK(mrc_ep_progress_begin(b) == MRC_EUSAGE);
+    pthread_t t;
+    void *res;
+    CHECK(pthread_create(&t, NULL, try_begin, a) == 0);
+    CHECK(pthread_join(t, &res) == 0);
+    CHECK((intptr_t)res == 0);
+    exchange(cqa, cqb, ms, md, LEN, true);
+    CHECK(memcmp(src, dst, LEN) == 0);
+    CHECK(caller_passes(a) > 0); /* the request ran on this thread */
+    mrc_ep_progress_end(a, 1000); /* quiet for 1 ms */
+    CHECK(mrc_ep_progress(a) == MRC_EUSAGE);
+    uint64_t passes = caller_passes(a);
+    memset(dst, 0, LEN);
+    exchange(cqa, cqb, ms, md, LEN, false); /* no holder: the thread does it */
+    CHECK(memcmp(src, dst, LEN) == 0);
+    CHECK(caller_passes(a) == passes);
+    CHECK_RC(mrc_mr_dereg(ms));
+    CHECK_RC(mrc_mr_dereg(md));
+    CHECK_RC(mrc_cq_destroy(cqa));
+    CHECK_RC(mrc_cq_destroy(cqb));
+
+    /* Destroyed by another thread while held: the holder's next pass says
+     * so, it ends, and the destroy (which joins the progress thread, waiting
+     * for the end) returns. */
+    mrc_ep *x = ep_new("127.0.0.1");
+    while ((h = mrc_ep_progress_begin(x)) == 0)
+        sched_yield();
+    CHECK(h == 1);
+    CHECK(pthread_create(&t, NULL, destroyer, x) == 0);
+    int rc;
+    while ((rc = mrc_ep_progress(x)) >= 0)
+        sched_yield();
+    CHECK(rc == MRC_ECLOSED);
+    mrc_ep_progress_end(x, 0);
+    CHECK(pthread_join(t, NULL) == 0);
+    /* Destroyed by the holder itself: it ends first. */
+    x = ep_new("127.0.0.1");
+    while ((h = mrc_ep_progress_begin(x)) == 0)
+        sched_yield();
+    mrc_ep_destroy(x);
+    x = ep_new("127.0.0.1"); /* and this thread may hold another */
+    while ((h = mrc_ep_progress_begin(x)) == 0)
+        sched_yield();
+    CHECK(h == 1);
+    mrc_ep_progress_end(x, 0);
+    mrc_ep_destroy(x);
+}
+
 int main(void)
 {
     setup();
     many_ops();
     wait_min_and_more();
     busy_poll();
+    caller_progress();
+    lazy_ack_no_room();
     timeout_and_busy();
     usage_errors();
     op_waiters();
