@@ -397,6 +397,9 @@ static int op_post(mrc_conn *c, mrc_op *op, mrc_op **out)
     if (!ep->progress_held) {
         wake = ep->sleeping && !more;
         ep->wake_deferred = ep->sleeping && more;
+        /* Work not driven by a caller: the thread reads the sockets again. */
+        if (atomic_load_explicit(&ep->quiet_until_ns, memory_order_relaxed))
+            atomic_store_explicit(&ep->quiet_until_ns, 0, memory_order_relaxed);
     }
     pthread_mutex_unlock(&ep->lock);
     if (wake)

@@ -320,7 +320,9 @@ void mrc_ep_busy_poll(mrc_ep *ep, uint32_t us);
  * the next holder (it wakes for posts, netlink and delayed ACKs, not for
  * arrivals or its timer scan), so that a loop of short exchanges costs it no
  * wake-up; 0: it takes over at once (the caller is about to sleep on a CQ).
- * Meanwhile an arrival for another thread's operation waits up to quiet_us. */
+ * A post by a thread not holding the progress ends the quiet (that work is
+ * the thread's); an arrival for an operation posted before it waits for the
+ * next holder or the end of the quiet. */
 int mrc_ep_progress_begin(mrc_ep *ep);
 int mrc_ep_progress(mrc_ep *ep);
 void mrc_ep_progress_end(mrc_ep *ep, uint32_t quiet_us);

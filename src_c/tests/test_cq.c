@@ -647,8 +647,8 @@ static void exchange(mrc_cq *cqa, mrc_cq *cqb, mrc_mr *ms, mrc_mr *md, size_t le
  * them); a request to the progress thread made meanwhile (stats) runs here;
  * a second hold (same or another endpoint) on this thread and mrc_ep_progress
  * without one are refused, another thread's begin finds it busy. After the
- * end, quiet or not, exchanges complete without a holder (a post wakes the
- * quiet thread), and a holder whose endpoint is destroyed by another thread
+ * end, quiet or not, exchanges complete without a holder (a post ends the
+ * quiet), and a holder whose endpoint is destroyed by another thread
  * sees MRC_ECLOSED instead of hanging either of them. */
 static void *destroyer(void *arg)
 {
@@ -687,13 +687,30 @@ static void caller_progress(void)
     exchange(cqa, cqb, ms, md, LEN, true);
     CHECK(memcmp(src, dst, LEN) == 0);
     CHECK(caller_passes(a) > 0); /* the request ran on this thread */
-    mrc_ep_progress_end(a, 1000); /* quiet for 1 ms */
+    mrc_ep_progress_end(a, 10000000); /* quiet for 10 s */
     CHECK(mrc_ep_progress(a) == MRC_EUSAGE);
     uint64_t passes = caller_passes(a);
     memset(dst, 0, LEN);
-    exchange(cqa, cqb, ms, md, LEN, false); /* no holder: the thread does it */
+    /* No holder: a post ends the quiet and a's thread reads its sockets again:
+     * b's SEND into a RECV posted on a arrives (the CQ wait gives up after
+     * 5 s, the quiet was 10), and so does an exchange the other way. */
+    mrc_mr *ma2, *mb2;
+    CHECK_RC(mrc_mr_reg(a, dst, LEN, 0, &ma2));
+    CHECK_RC(mrc_mr_reg(b, src, LEN, 0, &mb2));
+    struct mrc_wr ra = {.kind = MRC_OP_RECV, .mr = ma2, .len = LEN, .tag = MRC_TAG_ANY, .cq = cqa};
+    struct mrc_wr sb = {.kind = MRC_OP_SEND, .mr = mb2, .len = LEN, .tag = 9, .cq = cqb};
+    CHECK_RC(mrc_post(ca[1], &ra, NULL));
+    CHECK_RC(mrc_post(cb[1], &sb, NULL));
+    struct mrc_wc wc[2];
+    CHECK(mrc_cq_wait_min(cqa, wc, 2, 1, 5000) == 1 && wc[0].status == 0);
+    CHECK(mrc_cq_wait_min(cqb, wc, 2, 1, 5000) == 1 && wc[0].status == 0);
+    CHECK(memcmp(src, dst, LEN) == 0);
+    memset(dst, 0, LEN);
+    exchange(cqa, cqb, ms, md, LEN, false);
     CHECK(memcmp(src, dst, LEN) == 0);
     CHECK(caller_passes(a) == passes);
+    CHECK_RC(mrc_mr_dereg(ma2));
+    CHECK_RC(mrc_mr_dereg(mb2));
     CHECK_RC(mrc_mr_dereg(ms));
     CHECK_RC(mrc_mr_dereg(md));
     CHECK_RC(mrc_cq_destroy(cqa));
