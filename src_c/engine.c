@@ -307,13 +307,13 @@ static uint32_t engine_sleep(mrc_ep *ep, uint64_t now)
         sched_yield();
         now = now_ns();
     }
+    uint64_t wait = due > now ? due - now : 0;
+    struct timespec ts = {.tv_sec = (time_t)(wait / 1000000000ull),
+                          .tv_nsec = (long)(wait % 1000000000ull)};
     /* Quiet (mrc_ep_progress_end): the sockets are the callers' for now (an
      * arrival waits for the next call's passes, not for a wake-up here). */
-    bool nl = false;
-    if (!n && now < quiet) {
-        uint64_t wait = due > now ? due - now : 0;
-        struct timespec ts = {.tv_sec = (time_t)(wait / 1000000000ull),
-                              .tv_nsec = (long)(wait % 1000000000ull)};
+    bool quiet_sleep = !n && now < quiet, nl = false;
+    if (quiet_sleep) {
         struct pollfd pf[2] = {{.fd = ep->evfd, .events = POLLIN},
                                {.fd = ep->nl_fd, .events = POLLIN}};
         if (ppoll(pf, ep->nl_fd >= 0 ? 2 : 1, &ts, NULL) > 0) {
@@ -322,18 +322,7 @@ static uint32_t engine_sleep(mrc_ep *ep, uint64_t now)
             }
             nl = ep->nl_fd >= 0 && pf[1].revents;
         }
-        pthread_mutex_lock(&ep->lock);
-        ep->sleeping = false;
-        pthread_mutex_unlock(&ep->lock);
-        pthread_mutex_lock(&ep->turn_lock);
-        ep->st.busy_polls += looks;
-        ep->nl_ready |= nl;
-        return UINT32_MAX;
-    }
-    if (!n) {
-        uint64_t wait = due > now ? due - now : 0;
-        struct timespec ts = {.tv_sec = (time_t)(wait / 1000000000ull),
-                              .tv_nsec = (long)(wait % 1000000000ull)};
+    } else if (!n) {
         n = epoll_pwait2(ep->epfd, evs, MRC_MAX_PLANES + 2, due == UINT64_MAX ? NULL : &ts,
                          NULL);
     }
@@ -342,6 +331,10 @@ static uint32_t engine_sleep(mrc_ep *ep, uint64_t now)
     pthread_mutex_unlock(&ep->lock);
     pthread_mutex_lock(&ep->turn_lock); /* a caller holding the progress: until it ends */
     ep->st.busy_polls += looks;
+    if (quiet_sleep) {
+        ep->nl_ready |= nl;
+        return UINT32_MAX; /* the sockets: ask */
+    }
     uint32_t ready = n > 0 ? engine_events(ep, evs, n) : 0;
     return ep->nplanes <= 1 ? 1u : ready;
 }
@@ -471,7 +464,7 @@ int mrc_ep_progress(mrc_ep *ep)
     ep->st.caller_passes++;
     if (!engine_turn(ep, UINT32_MAX))
         return MRC_ECLOSED; /* the progress thread stops: end now */
-    return ep->work || ep->done_head ? 1 : 0;
+    return ep->work ? 1 : 0;
 }
 
 void mrc_ep_progress_end(mrc_ep *ep, uint32_t quiet_us)
