@@ -81,7 +81,8 @@ struct mrc_coll {
     uint32_t *seq;          /* collectives run with each peer (tag field) */
     uint64_t chunk;
     int slots, window;
-    uint32_t busy_poll_us;  /* small (bounced) runs: mrc_ep_busy_poll for this long */
+    uint32_t busy_poll_us;  /* small (bounced) runs: this long of mrc_ep_busy_poll, or
+                             * up to HOLD_BYTES of progress run here (mrc_ep_progress) */
     atomic_int aborted;
     uint8_t *scratch;       /* rings, registered as scratch_mr */
     uint64_t scratch_len;
@@ -141,19 +142,14 @@ struct run {
     bool held;              /* it holds the endpoint's progress now */
 };
 
-static uint64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
-
 static uint64_t now_us(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
 }
+
+static uint64_t now_ms(void) { return now_us() / 1000u; }
 
 /* Bit 63 stays clear, so no tag is MRC_TAG_ANY. */
 static uint64_t make_tag(uint32_t sig, uint32_t seq, uint32_t pair_seq, uint32_t chunk)

@@ -287,8 +287,10 @@ void mrc_ep_kick(mrc_ep *ep)
     if (!ep)
         return;
     pthread_mutex_lock(&ep->lock);
-    bool wake = ep->wake_deferred && ep->sleeping && !ep->progress_held;
-    ep->wake_deferred = ep->wake_deferred && ep->progress_held; /* the holder ends: then */
+    /* A caller holding the progress drains the posts; its end wakes the thread. */
+    bool wake = !ep->progress_held && ep->wake_deferred && ep->sleeping;
+    if (!ep->progress_held)
+        ep->wake_deferred = false;
     pthread_mutex_unlock(&ep->lock);
     if (wake)
         ep_wake(ep);
