@@ -413,16 +413,19 @@ cdef class Endpoint:
             finally:
                 self._leave()
             if rc == c.MRC_ETIMEOUT:
-                why = f" ({len(dropped)} dropped during set-up, last: {dropped[-1]})" if dropped else ""
+                # Not dropped[-1]: this module is compiled with wraparound=False, where
+                # a negative index reads outside the list.
+                why = (f" ({len(dropped)} dropped during set-up, last: "
+                       f"{dropped[len(dropped) - 1]})") if dropped else ""
                 raise errors.WaitTimeout(f"no peer connected within {timeout} s{why}")
             if rc == c.MRC_EUSAGE:
                 raise errors.UsageError("accept() before listen(): call listen() first")
             check(rc, "Failed to accept a connection")
             try:
-                if callable(paths):
-                    paths = paths(conn.peer_name)
-                if paths:
-                    conn._add_paths(paths)
+                # Per client: after a dropped one, the next is another peer.
+                mine = paths(conn.peer_name) if callable(paths) else paths
+                if mine:
+                    conn._add_paths(mine)
             except BaseException:
                 conn.close()
                 raise

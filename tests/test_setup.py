@@ -7,6 +7,7 @@ import hashlib
 import json
 import select
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -157,6 +158,59 @@ def test_setup_loop_with_slow_and_vanishing_clients() -> None:
         acc.wait()
         for s in silent:
             s.close()
+
+
+def vanish_after_hello(port: int, name: str) -> None:
+    """A client that sends a valid mrc hello, reads the server's and hangs up before
+    its `ready` (handshake.c's struct hello: one IPv4 plane)."""
+    plane = struct.pack("<HH16s", 4, 9, socket.inet_aton("127.0.1.9"))
+    hello = struct.pack("<IHHIIII64s", 0x4843524D, 1, 1, 77, 1400, 1024, 0, name.encode())
+    hello += plane + bytes(len(plane) * 15)  # MRC_MAX_PLANES = 16
+    with socket.create_connection(("127.0.1.1", port), timeout=30) as s:
+        s.sendall(hello)
+        got = b""
+        while len(got) < len(hello):
+            b = s.recv(len(hello) - len(got))
+            assert b, f"the server hung up on {name} before its hello"
+            got += b
+
+
+def test_a_client_that_vanishes_after_its_hello_is_dropped_and_named() -> None:
+    """accept() drops a client that goes away between the hellos and `ready` and waits
+    on: the next client's paths come from the callable with that client's name (they
+    were the vanished one's), and a wait that then times out names the drop (it read
+    outside the list: a crash found by a collective soak with links flapping)."""
+    names: list[str] = []
+
+    def paths_for(name: str) -> list:
+        names.append(name)
+        return []
+
+    with mrc.Endpoint(planes(1, 0)) as a, mrc.Endpoint(planes(1, 1)) as b:
+        port = b.listen()
+        got: dict[str, mrc.Connection] = {}
+
+        def clients() -> None:
+            vanish_after_hello(port, "ghost")
+            got["a"] = a.connect("127.0.1.1", port, timeout=30, name="real")
+
+        t = threading.Thread(target=clients)
+        t.start()
+        try:
+            cb = b.accept(timeout=30, paths=paths_for)
+        finally:
+            t.join(timeout=60)
+        assert cb.peer_name == "real"
+        assert names == ["ghost", "real"]
+        check_connection(got["a"], cb, seed=3)
+
+        t = threading.Thread(target=vanish_after_hello, args=(port, "ghost2"))
+        t.start()
+        try:
+            with pytest.raises(mrc.TimeoutError, match=r"1 dropped during set-up, last: ghost2"):
+                b.accept(timeout=2, paths=paths_for)
+        finally:
+            t.join(timeout=60)
 
 
 def test_burst_of_64_setups_to_one_endpoint() -> None:
