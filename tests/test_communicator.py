@@ -333,6 +333,37 @@ def test_port_held_by_a_stranger_is_named_at_once(banner: bytes) -> None:
         assert "said nothing for 10 s" in str(e.value)
 
 
+def test_a_silent_rendezvous_address_tries_rank_0s_others(monkeypatch: Any) -> None:
+    """A connection to the rendezvous that hears nothing (its plane's path went dead
+    after the TCP handshake, as a pulled cable does; here a listener that never
+    answers) asks rank 0's other addresses at once and joins over the one that
+    greets. Every address silent is the stranger's error, naming them all."""
+    monkeypatch.setattr(rendezvous, "GREETING_S", 0.5)
+    token = "s" * 32
+    server = rendezvous.RendezvousServer(UniqueId("127.0.0.2", 0, token))
+    port = server.uid.port
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", port))
+        silent.listen(8)  # the kernel completes the handshake; nobody answers
+        client = rendezvous.RendezvousClient(
+            UniqueId("127.0.0.1", port, token), 10, alternates=["127.0.0.2"]
+        )
+        try:
+            assert client._joined_addr == "127.0.0.2"
+            assert len(client.join(0, 1, {"x": 1})) == 1
+        finally:
+            client.close()
+            server.stop()
+        with socket.socket() as silent2:
+            silent2.bind(("127.0.0.2", port))
+            silent2.listen(8)
+            with pytest.raises(mrc.CollectiveError, match="is not an mrc rendezvous") as e:
+                rendezvous.RendezvousClient(
+                    UniqueId("127.0.0.1", port, token), 10, alternates=["127.0.0.2"]
+                )
+    assert "said nothing for 0.5 s on each of rank 0's 2 addresses" in str(e.value)
+
+
 def test_two_ranks_with_the_same_number() -> None:
     uid = mrc.get_unique_id()
     res = in_threads([(0, 3, uid), (1, 3, uid), (1, 3, uid)], timeout=5)

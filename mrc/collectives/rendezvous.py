@@ -560,6 +560,22 @@ def _ranks(ranks: list[int]) -> str:
 _RANK0_EXITED = "rank 0 exited or lost its rendezvous connection without close()"
 
 
+class _Silent(Exception):
+    """A connection that the server end accepted and has said nothing on."""
+
+    def __init__(self, stranger: str, wait: float) -> None:
+        super().__init__(stranger)
+        self.stranger, self.wait = stranger, wait
+
+    def error(self, addrs: int = 1) -> CollectiveError:
+        where = "" if addrs == 1 else f" on each of rank 0's {addrs} addresses"
+        return CollectiveError(
+            f"{self.stranger}; it accepted the connection and said nothing for "
+            f"{self.wait:g} s{where} (or no packet got through to rank 0 for that long)",
+            rank=0,
+        )
+
+
 class RendezvousClient:
     """A rank's side: join, then a monitor thread that beats and reports failures."""
 
@@ -571,7 +587,17 @@ class RendezvousClient:
         self._addrs = [uid.addr, *(a for a in alternates if a != uid.addr)]
         self._joined_addr = uid.addr
         self._lock = threading.Lock()  # sendall from the monitor and the caller
-        self._sock = self._connect(time.monotonic() + timeout)
+        self._buf = b""
+        deadline = time.monotonic() + timeout
+        self._sock = self._connect(deadline)
+        try:
+            self._greeted(min(timeout, GREETING_S))
+        except _Silent as e:
+            self._sock.close()
+            self._greeted_elsewhere(e, deadline)
+        except BaseException:
+            self._sock.close()
+            raise
         self._socks = [self._sock]  # the join's connection, then the links
         self._links: list[tuple[str, int]] = []  # the server's other addresses (the table)
         # Per connection: the server address it goes to, when it was opened, when the
@@ -586,14 +612,45 @@ class RendezvousClient:
         self._jammed: set[socket.socket] = set()  # the first connection, if it jammed
         self._stop = threading.Event()
         self._rank: int | None = None
-        self._buf = b""
         self._closed = False
         self._monitor: threading.Thread | None = None
+
+    def _greeted_elsewhere(self, silent: _Silent, deadline: float) -> None:
+        """The first connection heard nothing: a stranger holds the port, or that plane's
+        path lost everything for that long (a cable pulled after the TCP handshake).
+        Asks rank 0's other addresses at once; the first to greet is the join's."""
+        others = [(a, self.uid.port) for a in self._addrs if a != self._joined_addr]
+        wait = min(GREETING_S, deadline - time.monotonic())
+        if not others or wait <= 0:
+            raise silent.error()
+        t_end = time.monotonic() + wait
+        socks = _dial(others, wait)
         try:
-            self._greeted(min(timeout, GREETING_S))
-        except BaseException:
-            self._sock.close()
-            raise
+            with selectors.DefaultSelector() as sel:
+                for sock, _ in socks:
+                    sel.register(sock, selectors.EVENT_READ)
+                while socks and (left := t_end - time.monotonic()) > 0:
+                    ready = sel.select(left)
+                    if not ready:
+                        continue
+                    sock = ready[0][0].fileobj
+                    assert isinstance(sock, socket.socket)
+                    target = next(t for s, t in socks if s is sock)
+                    socks.remove((sock, target))
+                    self._sock, self._buf, self._joined_addr = sock, b"", target[0]
+                    try:
+                        self._greeted(max(0.1, t_end - time.monotonic()))
+                        return  # this one is the join's connection
+                    except _Silent:
+                        sel.unregister(sock)
+                        sock.close()
+                    except BaseException:
+                        sock.close()
+                        raise
+        finally:
+            for sock, _ in socks:
+                sock.close()
+        raise silent.error(len(others) + 1)
 
     def _greeted(self, wait: float) -> None:
         """The server's first line, within `wait` seconds, must be an mrc rendezvous'
@@ -608,10 +665,7 @@ class RendezvousClient:
         try:
             msg = self._recv(time.monotonic() + wait)
         except TimeoutError:
-            raise CollectiveError(
-                f"{stranger}; it accepted the connection and said nothing for {wait:g} s",
-                rank=0,
-            ) from None
+            raise _Silent(stranger, wait) from None
         except ValueError:
             msg = "not JSON"  # refused below as not a greeting
         if msg is None:
