@@ -14,7 +14,8 @@ from coll_helpers import fabric_mesh, ok, run_ranks
 from test_collectives import bits, data
 
 from mrc.collectives import simulate as M
-from mrc.fabric.testing import fabric_up
+from mrc.collectives import soak
+from mrc.fabric.testing import Faults, fabric_up
 
 pytestmark = pytest.mark.root
 F4 = str(Path(__file__).resolve().parent.parent / "routing" / "4host-4plane.toml")
@@ -66,3 +67,19 @@ def test_collectives_on_the_fabric_and_a_cable_pulled_mid_all_reduce() -> None:
         pulled = [w.wait(timeout=60) for w in works]
         assert all(bits(h) == want for h in healthy)
         assert all(bits(p) == want for p in pulled)
+
+
+def test_random_collectives_while_links_drop_fail_and_heal() -> None:
+    """A short collective soak (benchmarks/coll_soak.py runs the long one): random
+    calls of every collective, op and dtype, sizes from 0 to 1 MiB, on the 4 hosts while
+    every link drops 2% and random links fail and heal every 60-300 ms (never cutting a
+    pair of hosts off); every rank's every result bit-exact against numpy."""
+    seed, calls = 7, 250
+    with fabric_up(F4) as fab, fabric_mesh(fab, HOSTS) as rs:
+        with Faults(fab, loss=2.0, flap_s=0.3, seed=seed) as faults:
+            for i in range(calls):
+                c = soak.call(seed, i, len(rs), 1 << 20)
+                got = ok(run_ranks(rs, lambda rk, c=c: soak.run(rk, seed, c)))
+                assert all(got), (c.describe(), got)
+        assert faults.failures >= 3, faults.events  # the calls did run under faults
+        assert sum(rk.endpoint.stats()["retx"] for rk in rs) > 0

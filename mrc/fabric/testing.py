@@ -159,6 +159,75 @@ def fabric_up(path: str | FsPath, prefix: str | None = None) -> Iterator[Running
         netns.down(prefix)
 
 
+class Faults:
+    """Loss on every link of a running fabric, and a thread that fails or heals a random
+    link (host cable or leaf-spine) every 0.2-1.0 x `flap_s` seconds, never one whose
+    failure would leave a pair of hosts without a path (the transport cannot carry data
+    with none, and its timeout then rightly fails the connection). `events` holds
+    (time.time(), "fail" or "heal", link). end() heals everything and removes the loss.
+
+        with fabric_up(f) as fab, Faults(fab, loss=2.0, flap_s=0.3, seed=1) as faults:
+            ...  # traffic that must survive them
+    """
+
+    def __init__(self, fab: RunningFabric, loss: float, flap_s: float, seed: int = 0) -> None:
+        import random
+        import threading
+
+        self.fab, self.flap_s, self.rnd = fab, flap_s, random.Random(seed)
+        self.links = [link.name for link in fab.fabric.links]
+        hosts = [h.name for h in fab.fabric.hosts]
+        self.pairs = [(a, b) for i, a in enumerate(hosts) for b in hosts[i + 1 :]]
+        self.down: set[str] = set()
+        self.events: list[tuple[float, str, str]] = []
+        self.skipped = 0  # failures not made: they would have cut a pair off
+        self.loss = loss
+        self._stop = threading.Event()
+        for link in self.links:
+            fab.loss(link, loss)
+        self._thread = threading.Thread(target=self._run, name="faults")
+        self._thread.start()
+
+    def _cuts_a_pair(self, link: str) -> bool:
+        failed = [*self.down, link]
+        return any(not table_paths(self.fab.fabric, a, b, failed) for a, b in self.pairs)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.rnd.uniform(0.2, 1.0) * self.flap_s):
+            if self.down and self.rnd.random() < 0.5:
+                link = self.rnd.choice(sorted(self.down))
+                self.fab.heal(link)
+                self.down.discard(link)
+                self.events.append((time.time(), "heal", link))
+                continue
+            link = self.rnd.choice(self.links)
+            if link in self.down or self._cuts_a_pair(link):
+                self.skipped += 1
+                continue
+            self.fab.fail(link)
+            self.down.add(link)
+            self.events.append((time.time(), "fail", link))
+
+    @property
+    def failures(self) -> int:
+        return sum(1 for _, what, _ in self.events if what == "fail")
+
+    def end(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for link in sorted(self.down):
+            self.fab.heal(link)
+        self.down.clear()
+        for link in self.links:
+            self.fab.loss(link, 0)
+
+    def __enter__(self) -> Faults:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
+
+
 # SRv6 UDP traffic inside the namespaces ----------------------------------------------------
 
 _RECEIVER = r"""
