@@ -585,7 +585,9 @@ def test_large_buffers_keep_a_bounded_number_of_regions() -> None:
                 run_ranks(rs, lambda rk, s=i: rk.all_reduce(data("float32", n, 100 * s + rk.rank)))
             )
             assert all(bits(g) == want for g in got), i
-            assert before < rs[0].endpoint.stats()["regions"] <= before + 8
+            # 8 cached buffers and the executor's scratch rings (one region). Under
+            # AddressSanitizer no freed buffer's address comes back: all 8 are in use.
+            assert before < rs[0].endpoint.stats()["regions"] <= before + 8 + 1
         keep = [data("float32", n, r) for r in range(2)]
         outs = [np.empty(n, np.float32) for _ in range(2)]
         ok(run_ranks(rs, lambda rk: rk.all_reduce(keep[rk.rank], outs[rk.rank])))
