@@ -17,32 +17,11 @@ from mrc import _datapath
 from mrc.collectives import ops as O
 from mrc.collectives import schedule as S
 from mrc.collectives import simulate as M
+from mrc.collectives.soak import bits, data  # inputs that show the order of additions
 from mrc.errors import CollectiveError, UsageError
 
 DTYPES = list(O.DTYPES)
 OPS = list(O.OPS)
-
-
-def data(dtype: str, count: int, seed: int, op: str = "sum") -> np.ndarray:
-    """Values that keep every op finite: small integers for prod, floats with
-    many mantissa bits so that the order of additions shows in the bits."""
-    rng = np.random.default_rng(seed)
-    if dtype in ("int8", "uint8", "int32", "int64"):
-        info = np.iinfo(dtype)
-        lo, hi = (-3, 4) if op == "prod" else (max(info.min, -1000), min(info.max, 1000))
-        if dtype == "uint8":
-            lo = 0
-        return rng.integers(lo, hi, count).astype(dtype)
-    x = rng.standard_normal(count) * (1.0 if op == "prod" else 100.0)
-    if op == "prod":
-        x = 1.0 + x / 10.0
-    if dtype == "bfloat16":
-        return M.f32_to_bf16(x.astype(np.float32))
-    return x.astype(dtype)
-
-
-def bits(a: np.ndarray) -> bytes:
-    return np.ascontiguousarray(a).tobytes()
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4, 5])

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from coll_helpers import fabric_mesh, ok, run_ranks
-from test_collectives import bits, data
 
 from mrc.collectives import simulate as M
 from mrc.collectives import soak
+from mrc.collectives.soak import bits, data
 from mrc.fabric.testing import Faults, fabric_up
 
 pytestmark = pytest.mark.root
