@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -83,7 +84,9 @@ def soak(fab: RunningFabric, label: str, seed: int, calls: int, max_bytes: int,
             "--name", fab.prefix, "--timeout", str(timeout), "--",
             sys.executable, __file__, "--worker"]  # fmt: skip
     t0 = time.monotonic()
-    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # stderr to a file: a pipe read only at the end could fill and stop mrc-run.
+    errf = tempfile.TemporaryFile("w+")
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=errf, text=True)
     progress: list[tuple[float, int]] = [(0.0, 0)]
     ends: dict[int, dict[str, Any]] = {}
     failures: list[dict[str, Any]] = []
@@ -105,8 +108,10 @@ def soak(fab: RunningFabric, label: str, seed: int, calls: int, max_bytes: int,
             ends[msg["rank"]] = msg
         elif msg.get("event") in ("error", "mismatch"):
             failures.append(msg)
-    err = p.stderr.read() if p.stderr else ""
     rc = p.wait()
+    errf.seek(0)
+    err = errf.read()
+    errf.close()
     out = {"label": label, "rc": rc, "wall_s": round(time.monotonic() - t0, 2),
            "start_wall": start_wall, "progress": progress,
            "ranks": [ends[r] for r in sorted(ends)],

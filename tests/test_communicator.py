@@ -361,7 +361,7 @@ def test_a_silent_rendezvous_address_tries_rank_0s_others(monkeypatch: Any) -> N
                 rendezvous.RendezvousClient(
                     UniqueId("127.0.0.1", port, token), 10, alternates=["127.0.0.2"]
                 )
-    assert "said nothing for 0.5 s on each of rank 0's 2 addresses" in str(e.value)
+    assert "said nothing for 0.5 s on each of 2 of rank 0's addresses" in str(e.value)
 
 
 def test_two_ranks_with_the_same_number() -> None:

@@ -568,7 +568,7 @@ class _Silent(Exception):
         self.stranger, self.wait = stranger, wait
 
     def error(self, addrs: int = 1) -> CollectiveError:
-        where = "" if addrs == 1 else f" on each of rank 0's {addrs} addresses"
+        where = "" if addrs == 1 else f" on each of {addrs} of rank 0's addresses"
         return CollectiveError(
             f"{self.stranger}; it accepted the connection and said nothing for "
             f"{self.wait:g} s{where} (or no packet got through to rank 0 for that long)",
@@ -625,6 +625,7 @@ class RendezvousClient:
             raise silent.error()
         t_end = time.monotonic() + wait
         socks = _dial(others, wait)
+        silent_ones = 1 + len(socks)  # those not unreachable, unless one of them greets
         try:
             with selectors.DefaultSelector() as sel:
                 for sock, _ in socks:
@@ -650,7 +651,7 @@ class RendezvousClient:
         finally:
             for sock, _ in socks:
                 sock.close()
-        raise silent.error(len(others) + 1)
+        raise silent.error(silent_ones)
 
     def _greeted(self, wait: float) -> None:
         """The server's first line, within `wait` seconds, must be an mrc rendezvous'

@@ -15,10 +15,12 @@ SRv6 UDP senders/receivers that run inside host namespaces.
 from __future__ import annotations
 
 import json
+import random
 import secrets
 import select
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -171,9 +173,6 @@ class Faults:
     """
 
     def __init__(self, fab: RunningFabric, loss: float, flap_s: float, seed: int = 0) -> None:
-        import random
-        import threading
-
         self.fab, self.flap_s, self.rnd = fab, flap_s, random.Random(seed)
         self.links = [link.name for link in fab.fabric.links]
         hosts = [h.name for h in fab.fabric.hosts]
@@ -181,7 +180,7 @@ class Faults:
         self.down: set[str] = set()
         self.events: list[tuple[float, str, str]] = []
         self.skipped = 0  # failures not made: they would have cut a pair off
-        self.loss = loss
+        self.error: BaseException | None = None  # what stopped the thread; end() raises it
         self._stop = threading.Event()
         for link in self.links:
             fab.loss(link, loss)
@@ -193,6 +192,12 @@ class Faults:
         return any(not table_paths(self.fab.fabric, a, b, failed) for a, b in self.pairs)
 
     def _run(self) -> None:
+        try:
+            self._flap()
+        except BaseException as e:  # raised by end(), in the caller's thread
+            self.error = e
+
+    def _flap(self) -> None:
         while not self._stop.wait(self.rnd.uniform(0.2, 1.0) * self.flap_s):
             if self.down and self.rnd.random() < 0.5:
                 link = self.rnd.choice(sorted(self.down))
@@ -201,7 +206,9 @@ class Faults:
                 self.events.append((time.time(), "heal", link))
                 continue
             link = self.rnd.choice(self.links)
-            if link in self.down or self._cuts_a_pair(link):
+            if link in self.down:
+                continue
+            if self._cuts_a_pair(link):
                 self.skipped += 1
                 continue
             self.fab.fail(link)
@@ -220,6 +227,8 @@ class Faults:
         self.down.clear()
         for link in self.links:
             self.fab.loss(link, 0)
+        if self.error is not None:
+            raise RuntimeError(f"the fault thread stopped: {self.error}") from self.error
 
     def __enter__(self) -> Faults:
         return self
