@@ -167,6 +167,18 @@ def main() -> None:
                 exchange(comm)
                 print(json.dumps({"rank": rank, "holding": True}), flush=True)
                 threading.Event().wait(120)
+            elif mode == "p2p_chain":  # rank 1 sends to the held rank 2, rank 0 waits on 1
+                exchange(comm)
+                print(json.dumps({"rank": rank, "meshed": True}), flush=True)
+                sys.stdin.readline()  # the test has stopped rank 2
+                t1 = time.monotonic()
+                try:
+                    if rank == 1:
+                        comm.send(np.zeros(1 << 20, np.uint8), 2)
+                    else:
+                        comm.recv(np.zeros(1 << 20, np.uint8), 1)
+                finally:
+                    out["secs"] = time.monotonic() - t1
             elif mode == "survive":
                 exchange(comm)
                 t1 = time.monotonic()

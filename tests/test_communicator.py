@@ -464,6 +464,37 @@ def test_dead_rank_is_named_within_the_timeout(how: str) -> None:
         assert all("sent nothing for" in g["error"] for g in res), res
 
 
+def test_a_hung_rank_is_named_by_the_rank_that_found_it_to_the_others() -> None:
+    """Rank 2 stops (a hung process) with the communicator's timeout far above the
+    transport's (5 s): rank 1, sending to it, finds every path failed; rank 0 waits on a
+    RECV from rank 1 only. Rank 1 tells the group what it found, so rank 0's error names
+    rank 2 too, not rank 1 whose connections closed as it gave up; both well before the
+    communicator's timeout, which is when the rendezvous itself would notice."""
+    timeout, hung = 30.0, 2
+    uid = mrc.get_unique_id()
+    procs = start_ranks("p2p_chain", 3, uid.hex(), timeout, modes={hung: "mesh_hold"})
+    try:
+        victim = procs[hung]
+        assert victim.stdout is not None
+        assert json.loads(victim.stdout.readline()).get("holding")  # its mesh is up
+        for p in procs[:hung]:
+            assert p.stdout is not None
+            assert json.loads(p.stdout.readline()).get("meshed")
+        os.kill(victim.pid, signal.SIGSTOP)
+        for p in procs[:hung]:  # only now: rank 2 must not take rank 1's data first
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        res = results(procs[:hung])
+    finally:
+        procs[hung].kill()
+        procs[hung].wait()
+    for got in res:
+        assert got.get("type") == "CollectiveError", got
+        assert got["err_rank"] == hung and "connection to rank 2 failed" in got["error"], got
+        assert got["secs"] < timeout / 2, got
+
+
 # Real collectives (the Collectives mixin of wip/coll) across processes ---------------------
 
 needs_collectives = pytest.mark.skipif(

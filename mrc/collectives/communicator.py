@@ -384,6 +384,14 @@ class Communicator(Collectives):
             code=code,
         )
 
+    def _tell_group(self, err: CollectiveError) -> None:
+        """What ended this rank's communicator, found here (a peer unreachable, or silent
+        for the timeout), to every other rank through the rendezvous, blaming the rank at
+        fault: a rank waiting on this one would otherwise see only this rank go quiet or
+        its connections close, and blame it (or wait its whole timeout)."""
+        if self._client is not None:
+            self._client.send({"op": "abort", "message": str(err), "blame": err.rank})
+
     def abort(self, reason: str = "aborted by the caller") -> None:
         """End the communicator from any thread: pending and later collectives raise
         CollectiveError, here and (through the rendezvous) on every other rank."""

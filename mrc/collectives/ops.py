@@ -47,6 +47,9 @@ OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4}
 _MISMATCH = _datapath.MISMATCH
 _ABORTED = _datapath.ABORTED
 _ETIMEOUT = -5003
+# Failures that are this rank's own finding about a peer (no progress, every path
+# failed, receiver not ready), not a consequence of another rank giving up.
+_FINDINGS = (_ETIMEOUT, -5004, -5013)  # MRC_ETIMEOUT, MRC_EPATHDOWN, MRC_ERNR
 _PLAN_CACHE = 256
 CHUNK_BYTES = 256 << 10  # the executor's default chunk (src_c/coll.c)
 SCRATCH_BUDGET = 16 << 20  # scratch rings per communicator, while 4 slots per ring fit
@@ -364,13 +367,23 @@ class Collectives:
                 code=rc,
             )
             verdict = getattr(self, "peer_error", None)
-            if verdict is not None and peer >= 0:
+            if verdict is not None and peer >= 0 and rc not in _FINDINGS:
+                # A closed connection: the peer's own reason (or the group's verdict)
+                # is on its way; peer_error waits a moment for it.
                 err = verdict(peer, err)
+        known = getattr(self, "failure", None)
+        if rc in _FINDINGS and peer >= 0 and known is not None:
+            err = known  # the group's verdict came first: it is the cause
         if self._coll_failure is None:
             self._coll_failure = err
         record = getattr(self, "_set_failure", None)
-        if record is not None:
-            record(err)
+        if record is not None and record(err) and rc in _FINDINGS and peer >= 0:
+            # This rank's own finding about a peer (unreachable, silent, not receiving),
+            # told at once: the others learn it from the group instead of blaming this
+            # rank, whose connections close as it gives up (or waiting their timeout).
+            tell = getattr(self, "_tell_group", None)
+            if tell is not None:
+                tell(err)
         return err
 
     def _submit(self, what: str, fn: Callable[[], Any], async_op: bool) -> Any:

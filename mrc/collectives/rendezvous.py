@@ -11,7 +11,7 @@ old id cannot join). Messages are JSON lines over one TCP connection per rank:
     server -> rank   {"op": "table", "infos": [...]}  once every rank has joined,
                      {"op": "error", message, rank}   the group cannot form (and why)
     both ways        {"op": "hb"}                     liveness, every `interval` seconds
-    rank -> server   {"op": "abort", message} | {"op": "bye"}  (bye: in close())
+    rank -> server   {"op": "abort", message[, blame]} | {"op": "bye"}  (bye: in close())
     server -> rank   {"op": "failed", rank, message} | {"op": "closed", rank}
                      {"op": "released"}               every rank has said bye (or failed)
 
@@ -339,7 +339,14 @@ class RendezvousServer:
                 self._left_group(owner.rank)
         elif op == "abort" and owner.rank is not None:
             owner.gone = True
-            self._fail(owner.rank, str(msg.get("message", "aborted")), skip=owner)
+            # "blame": the rank the aborting one found at fault (unreachable, silent).
+            blame = msg.get("blame")
+            at_fault = blame if isinstance(blame, int) and 0 <= blame < (self._size or 0) else None
+            self._fail(
+                owner.rank if at_fault is None else at_fault,
+                str(msg.get("message", "aborted")),
+                skip=owner,
+            )
             self._left_group(owner.rank)
 
     def _attach(self, peer: _Peer, msg: dict[str, Any]) -> None:
