@@ -364,6 +364,42 @@ def test_a_silent_rendezvous_address_tries_rank_0s_others(monkeypatch: Any) -> N
     assert "said nothing for 0.5 s on each of 2 of rank 0's addresses" in str(e.value)
 
 
+def test_last_words_are_flushed_until_acknowledged() -> None:
+    """rendezvous._flush, which a closing end (and an exit without close()) runs so that a
+    reset does not drop its last message: it waits while the peer has not acknowledged
+    what was written (here the peer reads nothing and its window is full), up to its
+    limit, and returns as soon as the peer has taken everything."""
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        tx = socket.create_connection(ls.getsockname())
+        rx, _ = ls.accept()
+    with tx, rx:
+        tx.setblocking(False)
+        sent = 0
+        try:
+            while True:
+                sent += tx.send(b"x" * 65536)
+        except BlockingIOError:
+            pass
+        assert rendezvous._unacked(tx) > 0
+        t0 = time.monotonic()
+        rendezvous._flush(lambda: [tx], 0.3)
+        assert time.monotonic() - t0 >= 0.3  # nothing was acknowledged: the whole wait
+
+        def drain() -> None:
+            got = 0
+            while got < sent:
+                got += len(rx.recv(1 << 20))
+
+        reader = threading.Thread(target=drain)
+        reader.start()
+        t0 = time.monotonic()
+        rendezvous._flush(lambda: [tx], 30)
+        took = time.monotonic() - t0
+        reader.join()
+        assert rendezvous._unacked(tx) == 0 and took < 10, took
+
+
 def test_two_ranks_with_the_same_number() -> None:
     uid = mrc.get_unique_id()
     res = in_threads([(0, 3, uid), (1, 3, uid), (1, 3, uid)], timeout=5)

@@ -42,14 +42,19 @@ link. So a plane that flaps, or fails and heals, gives its link back within an i
 
 from __future__ import annotations
 
+import atexit
 import errno
+import fcntl
 import hashlib
 import json
 import secrets
 import selectors
 import socket
+import struct
+import termios
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +71,42 @@ GREETING_S = 10.0
 # The server beats every interval on every connection (up to half an interval late): a
 # connection silent for this many intervals has lost its path, for now.
 STALE_BEATS = 3
+
+
+# A rendezvous end that closes, or a program that exits without close(), waits this long
+# at most for its last words to be acknowledged (_flush).
+LAST_WORDS_S = 1.0
+
+
+def _unacked(sock: socket.socket) -> int:
+    """Bytes written to sock that its peer has not acknowledged (TIOCOUTQ)."""
+    try:
+        got = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (OSError, ValueError):  # closed meanwhile
+        return 0
+    return int(struct.unpack("i", got)[0])
+
+
+def _flush(socks: Callable[[], list[socket.socket]], wait: float) -> None:
+    """Waits, up to `wait` seconds, until what was written to socks() is acknowledged. A
+    socket closed with unread data in it (heartbeats) resets its connection and drops
+    what it still held: behind a lossy path, the verdict naming a dead rank or this
+    rank's abort, so the others would see only this end go."""
+    deadline = time.monotonic() + wait
+    while any(_unacked(s) for s in socks()) and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling the kernel's send queues, with a deadline
+
+
+# Servers and clients not closed yet: an exit flushes their sockets (_last_words_at_exit).
+_OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@atexit.register
+def _last_words_at_exit() -> None:
+    """A program that exits without close() (an exception ended it right after its
+    collective failed) still delivers what its rendezvous end sent last."""
+    ends = list(_OPEN)
+    _flush(lambda: [s for end in ends for s in end._open_socks()], LAST_WORDS_S)
 
 
 def heartbeat_interval(timeout: float) -> float:
@@ -224,6 +265,7 @@ class RendezvousServer:
         self._links_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="mrc-rendezvous", daemon=True)
         self._thread.start()
+        _OPEN.add(self)
 
     def add_links(self, addrs: list[str]) -> None:
         """Listen on these addresses too (rank 0's other planes; any port), for the ranks'
@@ -512,8 +554,13 @@ class RendezvousServer:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
 
+    def _open_socks(self) -> list[socket.socket]:
+        return [p.sock for p in list(self._peers)]
+
     def _shutdown(self) -> None:
+        _OPEN.discard(self)
         self._broadcast({"op": "closed", "rank": None})
+        _flush(self._open_socks, LAST_WORDS_S)
         for p in list(self._peers):
             self._drop(p)
         self._sel.close()
@@ -621,6 +668,7 @@ class RendezvousClient:
         self._rank: int | None = None
         self._closed = False
         self._monitor: threading.Thread | None = None
+        _OPEN.add(self)
 
     def _greeted_elsewhere(self, silent: _Silent, deadline: float) -> None:
         """The first connection heard nothing: a stranger holds the port, or that plane's
@@ -964,9 +1012,15 @@ class RendezvousClient:
         self._born.pop(sock, None)
         self._heard.pop(sock, None)
 
+    def _open_socks(self) -> list[socket.socket]:
+        with self._lock:
+            return [] if self._closed else list(self._socks)
+
     def close(self, message: dict[str, Any] | None = None) -> None:
+        _OPEN.discard(self)
         if message is not None:
             self.send(message)
+            _flush(self._open_socks, LAST_WORDS_S)
         self._stop.set()
         with self._lock:
             if self._closed:
