@@ -230,6 +230,9 @@ COLL_STEP_SIZE: int
 COLL_REF_SIZE: int
 ABORTED: int
 MISMATCH: int
+ETIMEOUT: int
+EPATHDOWN: int
+ERNR: int
 
 def reduce_into(acc: Any, src: Any, dtype: int, op: int) -> None: ...
 def reduce_finish(acc: Any, dtype: int, op: int, n: int) -> None: ...

@@ -1368,6 +1368,9 @@ COLL_STEP_SIZE = sizeof(c.mrc_coll_step)
 COLL_REF_SIZE = sizeof(c.mrc_coll_ref)
 ABORTED = c.MRC_EABORT
 MISMATCH = c.MRC_EMISMATCH
+ETIMEOUT = c.MRC_ETIMEOUT
+EPATHDOWN = c.MRC_EPATHDOWN
+ERNR = c.MRC_ERNR
 
 
 def reduce_into(acc, src, int dtype, int op) -> None:

@@ -46,10 +46,10 @@ DTYPES = {
 OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4}
 _MISMATCH = _datapath.MISMATCH
 _ABORTED = _datapath.ABORTED
-_ETIMEOUT = -5003
+_ETIMEOUT = _datapath.ETIMEOUT
 # Failures that are this rank's own finding about a peer (no progress, every path
 # failed, receiver not ready), not a consequence of another rank giving up.
-_FINDINGS = (_ETIMEOUT, -5004, -5013)  # MRC_ETIMEOUT, MRC_EPATHDOWN, MRC_ERNR
+_FINDINGS = (_ETIMEOUT, _datapath.EPATHDOWN, _datapath.ERNR)
 _PLAN_CACHE = 256
 CHUNK_BYTES = 256 << 10  # the executor's default chunk (src_c/coll.c)
 SCRATCH_BUDGET = 16 << 20  # scratch rings per communicator, while 4 slots per ring fit
