@@ -39,7 +39,7 @@ FABRIC = ROOT / "routing" / "4host-4plane-1g.toml"
 PROGRESS_EVERY = 10
 
 
-def worker() -> None:
+def run_rank() -> None:
     """One rank, under mrc-run: the calls of SOAK_SEED, SOAK_CALLS, SOAK_MAX_BYTES."""
     import mrc
     from mrc.collectives import soak
@@ -162,7 +162,7 @@ def plot(runs: dict[str, dict[str, Any]], faults: Faults, row: dict[str, Any]) -
 def main(calls: int, max_bytes: int, loss: float, flap_s: float, seed: int, timeout: float,
          worker: bool) -> None:  # fmt: skip
     if worker:
-        return globals()["worker"]()
+        return run_rank()
     record_load()
     runs: dict[str, dict[str, Any]] = {}
     with fabric_up(FABRIC, prefix="csoak") as fab:
