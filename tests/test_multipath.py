@@ -75,6 +75,10 @@ class Transfer:
             ["--size", str(self.size), "--mode", mode, "--chunk", str(chunk)]
             + ["--timeout", str(timeout)],
             client_args=["--progress", "0.02", "--stats-socket", self.sock, "--linger"],
+            # The server keeps the connection too: a transfer that ends while a path is
+            # being failed would otherwise freeze that path's state at 'suspect' (a
+            # closed connection stops probing; seen in CI under load).
+            server_args=["--linger"],
         )
         self.x, self.client = x, x.client
         self.done_bytes = 0
@@ -139,7 +143,7 @@ class Transfer:
         ]
         raise AssertionError(
             f"path states not reached in {timeout} s (path, state, srtt us, probes, changes): "
-            f"{seen}"
+            f"{seen}; the transfer: {self.result.get('event', 'running')}"
         )
 
     def kill(self) -> None:

@@ -101,7 +101,10 @@ class RunningFabric:
         run = [sys.executable, "-m", "mrc.fabric.xfer"]
         common = ["--fabric", self.file, *args]
         server = self.popen(
-            dst, [*run, "server", "--host", dst, *common, *server_args], stdout=subprocess.PIPE
+            dst,
+            [*run, "server", "--host", dst, *common, *server_args],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.PIPE,  # closed by server_result and kill (ends --linger)
         )
         assert server.stdout is not None
         line = server.stdout.readline()
@@ -131,12 +134,18 @@ class Xfer:
         """The server's closing JSON line (its hash and stats); waits for it to exit."""
         assert self.server.stdout is not None
         line = self.server.stdout.readline()
+        self._close_stdin(self.server)
         self.server.wait(timeout=60)
         return json.loads(line) if line else {}
 
+    @staticmethod
+    def _close_stdin(p: subprocess.Popen[str]) -> None:
+        if p.stdin and not p.stdin.closed:
+            p.stdin.close()
+
     def kill(self) -> None:
-        if self.client.stdin and not self.client.stdin.closed:
-            self.client.stdin.close()
+        for p in (self.client, self.server):
+            self._close_stdin(p)
         for p in (self.client, self.server):
             if p.poll() is None:
                 p.kill()

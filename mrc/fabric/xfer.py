@@ -76,6 +76,16 @@ class Job:
     chunk: int
     timeout: float
     stats_socket: str | None
+    linger: bool
+
+    def close(self, fe: FabricEndpoint) -> None:
+        """Closes fe, after stdin closes if --linger: an observer of the stats socket
+        then still sees the path states of a live connection (a closed one's stop
+        changing: a path that was being failed when the transfer ended stays where it
+        was)."""
+        if self.linger:
+            sys.stdin.read()
+        fe.close()
 
     def endpoint(self) -> FabricEndpoint:
         fe = fabric_endpoint(self.fabric, self.host, timeout=self.timeout)
@@ -102,6 +112,11 @@ def common(f: Any) -> Any:
             click.option("--chunk", default=4 << 20, help="Bytes per operation."),
             click.option("--timeout", default=5.0, help="Endpoint timeout, seconds."),
             click.option("--stats-socket", default=None, help="Serve stats here (mrc-route live)."),
+            click.option(
+                "--linger",
+                is_flag=True,
+                help="After the result, keep the endpoint (and stats) until stdin closes.",
+            ),
         ]
     ):
         with_job = opt(with_job)
@@ -118,7 +133,7 @@ def server(job: Job) -> None:
     emit(event="listening", port=fe.listen(job.port))
     conn = fe.accept(timeout=60)
     if mode == "stream":
-        stream_server(fe, conn, size, chunk)
+        stream_server(job, fe, conn)
         return
     done = np.zeros(8, np.uint8)
     done_op = conn.recv(fe.endpoint.register(done), tag=DONE_TAG)  # before the peer can close
@@ -136,14 +151,15 @@ def server(job: Job) -> None:
     for r in recvs:
         r.wait(timeout=60)
     emit(event="done", sha256=hashlib.sha256(buf).hexdigest(), stats=fe.endpoint.stats())
-    fe.close()
+    job.close(fe)
 
 
 RING = 64  # stream mode: receive buffers on the server
 SOURCES = 32  # stream mode: distinct source chunks on the client
 
 
-def stream_server(fe: Any, conn: mrc.Connection, size: int, chunk: int) -> None:
+def stream_server(job: Job, fe: Any, conn: mrc.Connection) -> None:
+    size, chunk = job.size, job.chunk
     nchunks = -(-size // chunk)
     ring = np.zeros(RING * chunk, np.uint8)
     region = fe.endpoint.register(ring)
@@ -164,7 +180,7 @@ def stream_server(fe: Any, conn: mrc.Connection, size: int, chunk: int) -> None:
             pending[i % RING] = post(i + RING)
     done_op.wait(timeout=None)
     emit(event="done", sha256=h.hexdigest(), stats=fe.endpoint.stats())
-    fe.close()
+    job.close(fe)
 
 
 @cli.command()
@@ -174,11 +190,6 @@ def stream_server(fe: Any, conn: mrc.Connection, size: int, chunk: int) -> None:
 @click.option("--progress", default=0.05, help="Report every this fraction of the size.")
 @click.option("--timeline", is_flag=True, help="Report each operation's completion time.")
 @click.option("--seed", default=1, help="Seed of the data pattern (the server needs none).")
-@click.option(
-    "--linger",
-    is_flag=True,
-    help="After the result, keep the endpoint (and stats) until stdin closes.",
-)
 def client(
     job: Job,
     peer: str,
@@ -186,7 +197,6 @@ def client(
     progress: float,
     timeline: bool,
     seed: int,
-    linger: bool,
 ) -> None:
     """Send a seeded pattern from --host to the server on --peer (port --port), printing
     progress events and {"event": "done", "sha256": ...} of what was sent."""
@@ -265,9 +275,7 @@ def client(
         out["chunk"] = chunk
         out["acked"] = samples
     emit(**out)
-    if linger:  # an observer may still read the final path states
-        sys.stdin.read()
-    fe.close()
+    job.close(fe)
 
 
 def main() -> None:
