@@ -536,6 +536,10 @@ cdef class Endpoint:
                     "probes": p.probes, "srtt_us": p.srtt_ns / 1000.0,
                     "base_rtt_us": p.base_rtt_ns / 1000.0, "cwnd": p.cwnd_bytes,
                     "inflight": p.inflight_bytes, "state_changes": p.state_changes,
+                    # None while the connection is up; else what ended it (its paths'
+                    # states are then the last ones seen, no longer probed).
+                    "conn_error": (None if p.conn_error == 0
+                                   else c.mrc_strerror(p.conn_error).decode()),
                 })
             return {
                 "tx_pkts": st.tx_pkts, "rx_pkts": st.rx_pkts, "tx_bytes": st.tx_bytes,

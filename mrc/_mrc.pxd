@@ -154,6 +154,7 @@ cdef extern from "mrc.h" nogil:
         uint64_t retx, lost, injected, probes
         uint64_t srtt_ns, base_rtt_ns, cwnd_bytes, inflight_bytes
         uint64_t state_changes
+        int conn_error
 
     struct mrc_ep_stats:
         uint64_t drops[MRC_DROP_MAX]

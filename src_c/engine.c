@@ -58,6 +58,7 @@ static void stats_pt(mrc_ep *ep, struct ctl *x)
             o->cwnd_bytes = p->cwnd;
             o->inflight_bytes = p->inflight;
             o->state_changes = p->changes;
+            o->conn_error = c->state == CONN_ACTIVE ? 0 : (c->error ? c->error : MRC_ECLOSED);
         }
         st->nconns++;
     }

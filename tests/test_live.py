@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 from click.testing import CliRunner
-from helpers import connected_pair, pattern
+from helpers import connected_pair, pattern, wait_for
 
 from mrc import telemetry
 from mrc.routing.cli import cli
@@ -41,3 +41,45 @@ def test_live_shows_paths_of_a_running_endpoint(tmp_path: Path) -> None:
         srv.close()
     res = CliRunner().invoke(cli, ["live", sock, "--count", "1"])
     assert res.exit_code == 2 and "no mrc stats" in res.output
+
+
+def test_paths_of_an_ended_connection_are_shown_as_ended(tmp_path: Path) -> None:
+    """A closed connection stops probing, so its paths' states freeze where they were
+    (a path being failed stays 'suspect'): stats say the connection ended, `live` shows
+    'closed' instead of a state, and the planner's plane count ignores them."""
+    from mrc.collectives.bandwidth import plane_usable
+
+    sock = str(tmp_path / "ep.sock")
+    with connected_pair(4) as p:
+        assert {q["conn_error"] for q in p.a.stats()["paths"]} == {None}
+        p.a.inject(3, down=True)
+        p.b.inject(3, down=True)
+        src, dst = pattern(4 << 20, 2), np.zeros(4 << 20, np.uint8)
+        md = p.b.register(dst)
+        p.ca.write(p.a.register(src), md.descriptor()).wait(timeout=30)
+        wait_for(lambda: p.a.stats()["paths"][3]["state"] == "failed", what="path 3 failed")
+        assert plane_usable(p.a.stats()) == [True, True, True, False]
+        p.cb.close()
+        wait_for(
+            lambda: {q["conn_error"] for q in p.a.stats()["paths"]} == {"connection closed"},
+            what="the peer's CLOSE",
+        )
+        assert plane_usable(p.a.stats(), 4) == [True] * 4  # nothing current says broken
+        srv = p.a.serve_stats(sock)
+        res = CliRunner(env={"COLUMNS": "200"}).invoke(cli, ["live", sock, "--count", "1"])
+        srv.close()
+        assert res.exit_code == 0, res.output
+        assert "1 connection(s), 1 ended" in res.output
+        assert res.output.count(" closed ") == 4, res.output  # one per path
+        assert "good" not in res.output and "failed" not in res.output
+
+
+def test_closing_the_stats_server_ends_its_thread(tmp_path: Path) -> None:
+    """close() wakes the thread blocked in accept() (closing the socket alone does not
+    on Linux: close() then waited out its 5 s join and left the thread blocked)."""
+    with connected_pair(1) as p:
+        srv = p.a.serve_stats(str(tmp_path / "ep.sock"))
+        assert telemetry.fetch(srv.path)["stats"]["conns"] == 1
+        srv.close()
+        assert not srv._thread.is_alive()
+        assert not Path(srv.path).exists()

@@ -122,7 +122,8 @@ def plane_usable(stats: Mapping[str, Any], nplanes: int | None = None) -> list[b
     fails only the paths to that peer, so this rank keeps the plane (the peer reports its
     own loss).
     """
-    paths = _paths(stats)
+    # A connection that ended keeps its paths' last states, no longer probed: stale.
+    paths = [p for p in _paths(stats) if not p.get("conn_error")]
     seen = [int(p["plane"]) for p in paths]
     if nplanes is None:
         if not seen:

@@ -212,8 +212,10 @@ def _live_table(doc: dict[str, Any], prev: dict[str, Any] | None, wide: bool) ->
     dt = doc["time"] - prev["time"] if prev else 0.0
     before = {(p["conn_id"], p["path"]): p for p in prev["stats"]["paths"]} if prev else {}
     planes = ", ".join(f"{p['addr']}" for p in doc["planes"])
+    ended = len({p["conn_id"] for p in stats["paths"] if p.get("conn_error")})
     t = RichTable(
-        title=f"pid {doc['pid']}: planes {planes}; {stats['conns']} connection(s)",
+        title=f"pid {doc['pid']}: planes {planes}; {stats['conns']} connection(s)"
+        + (f", {ended} ended" if ended else ""),
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
@@ -229,12 +231,16 @@ def _live_table(doc: dict[str, Any], prev: dict[str, Any] | None, wide: bool) ->
         old = before.get((p["conn_id"], p["path"]))
         rate = (p["tx_bytes"] - old["tx_bytes"]) * 8 / dt / 1e6 if old and dt > 0 else 0.0
         style = _STATE_STYLE.get(p["state"], "")
+        state = f"[{style}]{p['state']}[/]"
+        if p.get("conn_error"):  # its states froze when the connection ended
+            ended = "closed" if p["conn_error"] == "connection closed" else "conn failed"
+            state = f"[dim]{ended}[/]"
         row = {
             "c.path": f"{p['conn']}.{p['path']}",
             "pl": str(p["plane"]),
             "dst": p["dst"],
             "segs": str(p["segments"]),
-            "state": f"[{style}]{p['state']}[/]",
+            "state": state,
             "rtt us": f"{p['srtt_us']:.0f}",
             "base us": f"{p['base_rtt_us']:.0f}",
             "Mb/s": f"{rate:.1f}",

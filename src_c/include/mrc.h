@@ -492,6 +492,9 @@ struct mrc_path_stats {
     uint64_t probes;
     uint64_t srtt_ns, base_rtt_ns, cwnd_bytes, inflight_bytes;
     uint64_t state_changes;
+    int conn_error;        /* 0 while the connection is up; else the MRC_E* that ended
+                              it: its paths' states then stay as they were (no more
+                              probes), so observers should not read them as current */
 };
 
 struct mrc_ep_stats {
