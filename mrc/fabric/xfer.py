@@ -79,10 +79,10 @@ class Job:
     linger: bool
 
     def close(self, fe: FabricEndpoint) -> None:
-        """Closes fe, after stdin closes if --linger: an observer of the stats socket
-        then still sees the path states of a live connection (a closed one's stop
-        changing: a path that was being failed when the transfer ended stays where it
-        was)."""
+        """Closes fe; with --linger, once stdin closes. Until then an observer of the
+        stats socket sees the paths of a live connection, still probed: a closed
+        connection's paths stop changing, and one being failed when the transfer ended
+        would stay 'suspect'."""
         if self.linger:
             sys.stdin.read()
         fe.close()
