@@ -116,6 +116,31 @@ def test_fail_plane_keeps_plain_routing_on_others(fab4: RunningFabric) -> None:
     assert netns.status(fab4.prefix)["down_links"] == []
 
 
+def test_a_healed_link_knows_its_neighbours_at_once(fab4: RunningFabric) -> None:
+    """A link's down drops its ends' neighbour entries; heal seeds them again, as `up`
+    does. Without that, the first packets after a heal asked for them while the other end
+    was still down, and the kernel asked again only after 1 s (4 of 24 heals: mrc's
+    healed paths came back after 1.04 s instead of 40-95 ms)."""
+
+    def neighbours(node: str, dev: str) -> set[str]:
+        out = subprocess.run(
+            ["ip", "-j", "-6", "-n", netns.ns_name(fab4.prefix, node), "neigh", "show", "dev", dev],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        return {e["dst"] for e in json.loads(out) if e.get("lladdr")}
+
+    link = fab4.fabric.link("h2-p1l1")
+    ends = [(node, *link.end(node)) for node in (link.a, link.b)]  # node, dev, addr, peer
+    fab4.fail(link.name)
+    try:
+        for node, dev, _addr, peer in ends:
+            assert link.end(peer)[1] not in neighbours(node, dev)
+    finally:
+        fab4.heal(link.name)
+    for node, dev, _addr, peer in ends:
+        assert link.end(peer)[1] in neighbours(node, dev), (node, dev)
+
+
 def test_loss_on_a_link(fab4: RunningFabric) -> None:
     p = fab4.paths("h0", "h3")[2]  # plane 1, spine p1s0
     # Warm the path first: a burst into unresolved neighbours (links were just down and up

@@ -331,6 +331,11 @@ def _check_element(fabric: Fabric, element: str) -> None:
     fabric.check_failed([element])
 
 
+def _mac(prefix: str, node: str, dev: str) -> str:
+    out = _run(["ip", "-j", "-n", ns_name(prefix, node), "link", "show", "dev", dev])
+    return str(json.loads(out)[0].get("address", ""))
+
+
 def _apply_failed(
     fabric: Fabric, prefix: str, before: frozenset[str], after: frozenset[str]
 ) -> None:
@@ -341,6 +346,19 @@ def _apply_failed(
         verb = "down" if name in now else "up"
         for node in (link.a, link.b):
             batches.setdefault(node, []).append(f"link set {link.end(node)[0]} {verb}")
+        if verb == "up":
+            # The link's down dropped each end's neighbour entry. Seeded again, as at
+            # build: else the first packets ask for it while the other end is still
+            # down, and the kernel asks again only a second later (retrans_time):
+            # healed paths came back after 1.0 s in 1 of 3 heals, not 50-70 ms.
+            for node in (link.a, link.b):
+                dev, _addr, peer = link.end(node)
+                peer_dev, peer_addr, _ = link.end(peer)
+                mac = _mac(prefix, peer, peer_dev)
+                if mac:
+                    batches[node].append(
+                        f"neigh replace {peer_addr} lladdr {mac} dev {dev} nud stale"
+                    )
     old_routes, new_routes = compute_routes(fabric, was), compute_routes(fabric, now)
     stale: dict[str, str] = {}
     for node in fabric.nodes():
