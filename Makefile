@@ -45,7 +45,7 @@ build: $(BUILT)
 	$(PY) -c "import mrc; print('mrc', mrc.__version__, 'built')"
 
 # System tools the namespace fabric, the tests and the benchmarks use.
-SYSTOOLS := ip:iproute2 nft:nftables iperf3:iperf3 tc:iproute2 clang:clang tcpdump:tcpdump
+SYSTOOLS := ip:iproute2 nft:nftables iperf3:iperf3 tc:iproute2 clang:clang tcpdump:tcpdump setpriv:util-linux
 sysdeps:
 	@missing=""; for t in $(SYSTOOLS); do cmd=$${t%%:*}; pkg=$${t##*:}; \
 	  command -v $$cmd >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \

@@ -25,9 +25,11 @@ across cores.
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import queue
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,6 +48,12 @@ from mrc.errors import MrcError
 TAIL_LINES = 20
 STOP_GRACE_S = 3.0
 SETTLE_S = 2.0  # after a failure, how long the others may take to end by themselves
+# Ranks get SIGTERM when mrc-run dies, even by SIGKILL (a scheduler's, the OOM killer's),
+# instead of running on without a launcher: setpriv (util-linux) sets the parent-death
+# signal and execs the rank, which keeps it (so does `ip netns exec`, which execs too).
+# Python's preexec_fn could do it without setpriv, but is not safe beside the reader
+# threads. Without setpriv, ranks outlive a killed mrc-run as before.
+_SETPRIV = shutil.which("setpriv")
 
 
 @dataclass
@@ -271,11 +279,17 @@ class Launcher:
         # exec), so this thread takes the rank's mask for the fork and then its own back:
         # exact, where setting the child's after the start would race its first threads.
         own = os.sched_getaffinity(0) if rk.cpus else None
+        argv = rk.argv
+        if _SETPRIV:
+            # A missing command is reported by mrc-run as before, not by setpriv.
+            if shutil.which(argv[0], path=rk.env.get("PATH")) is None:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
+            argv = [_SETPRIV, "--pdeathsig", "TERM", "--", *argv]
         if rk.cpus:
             os.sched_setaffinity(0, rk.cpus)
         try:
             rk.proc = subprocess.Popen(
-                rk.argv,
+                argv,
                 env=rk.env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,6 +162,50 @@ def test_signal_stops_every_rank(sig: int, code: int, said: str) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def running(pid: int) -> bool:
+    """pid exists and is not a zombie (an orphan's reaper may be slow, or absent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def killed_launcher_leaves_no_rank(extra: list[str]) -> None:
+    rank = "import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(120)\n"
+    proc = subprocess.Popen(
+        [*MRC_RUN, "-n", "2", *extra, "--", *py(rank)], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    assert proc.stdout is not None
+    pids = [int(proc.stdout.readline().split()[-1]) for _ in range(2)]
+    assert all(running(p) for p in pids)
+    proc.kill()  # SIGKILL: mrc-run stops nothing itself
+    proc.wait()
+    # The kernel sends each rank SIGTERM as mrc-run dies; they end on their own.
+    deadline = time.monotonic() + 10
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling processes this test does not own
+    left = [p for p in pids if running(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert left == [], "ranks outlived a killed mrc-run"
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_a_killed_mrc_run_takes_its_ranks_with_it() -> None:
+    """SIGKILL of mrc-run (the OOM killer, a scheduler) ended nothing else: each rank in its
+    own session ran on orphaned. Now each has SIGTERM as its parent-death signal."""
+    killed_launcher_leaves_no_rank([])
+
+
+@pytest.mark.root
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_a_killed_mrc_run_takes_its_ranks_in_namespaces_with_it() -> None:
+    """The same for ranks started through `ip netns exec` (which execs, keeping the signal)."""
+    with fabric_up(str(ROOT / "routing/2host-2plane.toml")) as fab:
+        killed_launcher_leaves_no_rank(["--fabric", fab.file, "--name", fab.prefix])
 
 
 def marked(mark: str) -> list[int]:
