@@ -25,7 +25,6 @@ across cores.
 from __future__ import annotations
 
 import collections
-import errno
 import os
 import queue
 import secrets
@@ -280,10 +279,9 @@ class Launcher:
         # exact, where setting the child's after the start would race its first threads.
         own = os.sched_getaffinity(0) if rk.cpus else None
         argv = rk.argv
-        if _SETPRIV:
-            # A missing command is reported by mrc-run as before, not by setpriv.
-            if shutil.which(argv[0], path=rk.env.get("PATH")) is None:
-                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
+        # A command that cannot run (missing, not executable) goes to Popen as it is, whose
+        # error mrc-run reports, rather than to setpriv, which would print its own.
+        if _SETPRIV and shutil.which(argv[0], path=rk.env.get("PATH")):
             argv = [_SETPRIV, "--pdeathsig", "TERM", "--", *argv]
         if rk.cpus:
             os.sched_setaffinity(0, rk.cpus)
