@@ -158,6 +158,8 @@ def test_launch_env_mrc_run_variables_and_tokens() -> None:
     assert UniqueId.unpack(other["unique_id"]).token != UniqueId.unpack(cfgs[0]["unique_id"]).token
     assert UniqueId.unpack(cfgs[0]["unique_id"]).addr == "fd00::1"
     assert launch_env({**base, "RANK": "0", "MRC_PLANES": "2"})["planes"] == "2"
+    sock = "/tmp/mrc-{rank}.sock"
+    assert launch_env({**base, "RANK": "0", "MRC_STATS_SOCKET": sock})["stats_socket"] == sock
 
 
 def test_rank_0s_other_planes_come_from_the_fabric() -> None:
@@ -224,6 +226,36 @@ def close_all(items: list[mrc.Communicator | BaseException]) -> None:
         t.start()
     for t in threads:
         t.join(60)
+
+
+def test_each_rank_serves_its_stats_for_mrc_route_live(tmp_path: Path) -> None:
+    """stats_socket (MRC_STATS_SOCKET): "{rank}" becomes the rank; each socket shows that
+    rank's paths, to every peer, until close() removes it."""
+    from mrc import telemetry
+
+    uid = mrc.get_unique_id()
+    comms = in_threads(
+        [(r, 3, uid) for r in range(3)], 10, stats_socket=f"{tmp_path}/r{{rank}}.sock"
+    )
+    try:
+        assert all(isinstance(c, mrc.Communicator) for c in comms), comms
+        for r, c in enumerate(comms):
+            assert isinstance(c, mrc.Communicator) and c.stats_socket == f"{tmp_path}/r{r}.sock"
+            doc = telemetry.fetch(c.stats_socket)
+            assert doc["pid"] == os.getpid() and doc["stats"]["conns"] == 2
+            paths = doc["stats"]["paths"]
+            assert len(paths) == 2 and {p["conn_error"] for p in paths} == {None}
+    finally:
+        close_all(comms)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_stats_socket_that_cannot_be_made_fails_the_set_up_cleanly(tmp_path: Path) -> None:
+    uid = mrc.get_unique_id()
+    with pytest.raises(mrc.UsageError, match="directory .*nowhere does not exist"):
+        mrc.Communicator(0, 1, uid, planes=1, stats_socket=f"{tmp_path}/nowhere/r.sock")
+    comm = mrc.Communicator(0, 1, uid, planes=1)  # the rendezvous is free again
+    comm.close()
 
 
 def test_mesh_in_threads_and_close() -> None:

@@ -306,17 +306,24 @@ def test_contiguous_tensors_are_not_copied() -> None:
     assert wide[:, 0].tolist() == [7.0] * 4 and wide[:, 1].tolist() == [0.0] * 4
 
 
-def test_one_rank_group_in_process(tmp_path: Path) -> None:
-    """A group of one: every call completes locally, in this process."""
+def test_one_rank_group_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group of one: every call completes locally, in this process. MRC_STATS_SOCKET:
+    the world group serves its stats there, a later group of the process does not."""
     import torch
     import torch.distributed as dist
 
     import mrc.torch
+    from mrc import telemetry
 
+    monkeypatch.setenv("MRC_STATS_SOCKET", str(tmp_path / "r{rank}.sock"))
+    monkeypatch.setattr(mrc.torch, "_stats_served", False)
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("mrc", store=store, rank=0, world_size=1)
     try:
         assert isinstance(dist.group.WORLD, mrc.torch.ProcessGroupMRC)
+        assert telemetry.fetch(str(tmp_path / "r0.sock"))["stats"]["conns"] == 0
+        sub = dist.new_group([0])
+        assert mrc.torch.communicator(sub).stats_socket is None
         t = torch.arange(5, dtype=torch.float32)
         dist.all_reduce(t)
         assert t.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]

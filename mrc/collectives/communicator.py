@@ -92,6 +92,9 @@ class Communicator(Collectives):
     unique id's when that cannot be reached; MRC_MASTER_ADDRS in from_env() (mrc-run sets
     it on a fabric). Default on a fabric: the other planes of the fabric host that owns the
     unique id's address.
+    stats_socket: serve this rank's endpoint stats on a Unix socket at this path ("{rank}"
+    in it becomes the rank) for `mrc-route live PATH`, until close(); MRC_STATS_SOCKET in
+    from_env() (so `MRC_STATS_SOCKET=/tmp/mrc-{rank}.sock mrc-run ...` serves every rank's).
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class Communicator(Collectives):
         endpoint: dict[str, Any] | None = None,
         routes: str = "auto",
         rendezvous_addrs: Sequence[str] = (),
+        stats_socket: str | None = None,
     ) -> None:
         self.rank, self.size = _check_rank(rank, size)
         if routes not in ("auto", "table", "planes"):
@@ -136,7 +140,10 @@ class Communicator(Collectives):
         self._make_endpoint(planes, fabric, host, endpoint or {})
         if not rendezvous_addrs and self._fabric is not None:
             rendezvous_addrs = _server_planes(self._fabric, self.uid.addr)
+        self.stats_socket = stats_socket.replace("{rank}", str(self.rank)) if stats_socket else None
         try:
+            if self.stats_socket:  # closed with the endpoint
+                self.endpoint.serve_stats(self.stats_socket)
             if self.rank == 0:
                 self._server = rendezvous.take_server(self.uid) or rendezvous.try_serve(self.uid)
                 if self._server is not None:
@@ -470,7 +477,7 @@ class Communicator(Collectives):
     def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> Communicator:
         """A communicator from the variables a launcher sets (see launch_env())."""
         cfg = launch_env(os.environ if env is None else env)
-        for key in ("planes", "fabric", "host", "timeout", "rendezvous_addrs"):
+        for key in ("planes", "fabric", "host", "timeout", "rendezvous_addrs", "stats_socket"):
             if key in cfg and key not in kwargs:
                 kwargs[key] = cfg[key]
         routes = (os.environ if env is None else env).get("MRC_ROUTES")
@@ -558,7 +565,8 @@ def rendezvous_port(env: Mapping[str, str]) -> int:
 def launch_env(env: Mapping[str, str]) -> dict[str, Any]:
     """What from_env() builds the communicator from: rank, size, unique_id and any of
     planes (MRC_PLANES), fabric (MRC_FABRIC), host (MRC_HOST), timeout (MRC_TIMEOUT),
-    rendezvous_addrs (MRC_MASTER_ADDRS, comma-separated)."""
+    rendezvous_addrs (MRC_MASTER_ADDRS, comma-separated), stats_socket
+    (MRC_STATS_SOCKET)."""
     for rank_var, size_var, _who in RANK_VARS:
         if rank_var in env and size_var in env:
             rank, size = _int_var(env, rank_var), _int_var(env, size_var)
@@ -586,6 +594,8 @@ def launch_env(env: Mapping[str, str]) -> dict[str, Any]:
         cfg["rendezvous_addrs"] = [
             a.strip() for a in env["MRC_MASTER_ADDRS"].split(",") if a.strip()
         ]
+    if env.get("MRC_STATS_SOCKET"):
+        cfg["stats_socket"] = env["MRC_STATS_SOCKET"]
     if env.get("MRC_TIMEOUT"):
         try:
             cfg["timeout"] = float(env["MRC_TIMEOUT"])

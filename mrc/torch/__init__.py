@@ -98,6 +98,9 @@ def _rendezvous_addr(kw: dict[str, Any], global_rank: int) -> str | None:
     return None
 
 
+_stats_served = False  # MRC_STATS_SOCKET: only the process's first group serves it
+
+
 def create_process_group(
     store: dist.Store,
     rank: int,
@@ -122,6 +125,11 @@ def create_process_group(
     # MRC_TIMEOUT (mrc-run --timeout) overrides the group's timeout for the communicator:
     # torch's default of 30 minutes is long for noticing a hung peer
     secs = float(os.environ.get("MRC_TIMEOUT") or timeout.total_seconds())
+    global _stats_served
+    stats = os.environ.get("MRC_STATS_SOCKET")
+    if stats and not _stats_served:  # the first group's, the world's: one per process
+        kw["stats_socket"] = stats.replace("{rank}", str(global_rank))
+        _stats_served = True
     comm = mrc.Communicator(rank, size, uid, timeout=secs, **kw)
     return ProcessGroupMRC(comm, rank, size, timeout)
 
