@@ -59,6 +59,7 @@ class Endpoint:
         *,
         timeout: float | None = ...,
         paths: Sequence[PathLike] | Callable[[str], Sequence[PathLike]] | None = ...,
+        name: str = ...,
     ) -> Connection: ...
     def register(self, obj: Any, *, remote_write: bool = ...) -> MemoryRegion: ...
     def register_address(

@@ -382,11 +382,14 @@ cdef class Endpoint:
                                  [errs[i] for i in range(n)])
         return conn
 
-    def accept(self, *, timeout=None, paths=None) -> Connection:
+    def accept(self, *, timeout=None, paths=None, str name="") -> Connection:
         """Wait up to `timeout` seconds (None: forever) for one connection.
         `paths` may be a list (as for connect) or a callable taking the peer's
-        name and returning that list. A client that hangs up or stalls during
-        its set-up is dropped and the wait goes on."""
+        name and returning that list. `name`: this end's name, which the peer
+        sees as its peer_name (as connect()'s name= is seen here). A client that
+        hangs up or stalls during its set-up is dropped and the wait goes on."""
+        name_b = name.encode()
+        cdef const char *name_c = name_b
         cdef c.mrc_conn *cp = NULL
         cdef int rc
         cdef int ms
@@ -426,6 +429,8 @@ cdef class Endpoint:
                 mine = paths(conn.peer_name) if callable(paths) else paths
                 if mine:
                     conn._add_paths(mine)
+                if name:
+                    check(c.mrc_conn_set_name(conn._ptr(), name_c), "accept(name=)")
             except BaseException:
                 conn.close()
                 raise
@@ -528,6 +533,7 @@ cdef class Endpoint:
                 p = &ps[i]
                 paths.append({
                     "conn": p.conn_index, "conn_id": p.conn_id, "path": p.id,
+                    "peer": p.peer.decode(errors="replace"),
                     "plane": p.plane, "state": c.mrc_path_state_str(p.state).decode(),
                     "dst": p.dst.decode(), "segments": p.nsegs,
                     "tx_pkts": p.tx_pkts, "tx_bytes": p.tx_bytes,

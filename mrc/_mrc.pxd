@@ -83,6 +83,7 @@ cdef extern from "mrc.h" nogil:
     int mrc_conn_connect_any(mrc_conn *c, const char *const *addrs, int naddrs, uint16_t port,
                              int timeout_ms, int *errs)
     int mrc_ep_accept(mrc_ep *ep, int timeout_ms, mrc_conn **out)
+    int mrc_conn_set_name(mrc_conn *c, const char *name)
     int mrc_conn_establish(mrc_conn *c, int timeout_ms)
     const char *mrc_conn_peer_name(const mrc_conn *c)
     int mrc_conn_peer_plane(const mrc_conn *c, int plane, char *addr, size_t addrlen)
@@ -155,6 +156,7 @@ cdef extern from "mrc.h" nogil:
         uint64_t srtt_ns, base_rtt_ns, cwnd_bytes, inflight_bytes
         uint64_t state_changes
         int conn_error
+        char peer[64]
 
     struct mrc_ep_stats:
         uint64_t drops[MRC_DROP_MAX]

@@ -58,8 +58,9 @@ class FabricEndpoint:
         )
 
     def accept(self, timeout: float | None = None) -> Connection:
-        """Accept one connection; its paths come from the table, by the peer's name."""
-        return self.endpoint.accept(timeout=timeout, paths=self.paths_to)
+        """Accept one connection; its paths come from the table, by the peer's name (this
+        host's name goes back to the peer)."""
+        return self.endpoint.accept(timeout=timeout, paths=self.paths_to, name=self.host)
 
     def close(self) -> None:
         self.endpoint.close()

@@ -43,6 +43,15 @@ int mrc_conn_create(mrc_ep *ep, const char *name, mrc_conn **out)
     return 0;
 }
 
+int mrc_conn_set_name(mrc_conn *c, const char *name)
+{
+    /* Read by the hello, which mrc_conn_establish sends: no later. */
+    if (c->state != CONN_NEW)
+        return MRC_EUSAGE;
+    snprintf(c->name, sizeof(c->name), "%s", name ? name : "");
+    return 0;
+}
+
 int mrc_conn_add_path(mrc_conn *c, const struct mrc_path_spec *s)
 {
     if (c->state != CONN_NEW || c->npaths >= MRC_MAX_PATHS || s->id < 0 ||

@@ -59,6 +59,7 @@ static void stats_pt(mrc_ep *ep, struct ctl *x)
             o->inflight_bytes = p->inflight;
             o->state_changes = p->changes;
             o->conn_error = c->state == CONN_ACTIVE ? 0 : (c->error ? c->error : MRC_ECLOSED);
+            memcpy(o->peer, c->peer_name, sizeof(o->peer)); /* NUL-terminated (handshake.c) */
         }
         st->nconns++;
     }

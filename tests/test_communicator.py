@@ -245,6 +245,7 @@ def test_each_rank_serves_its_stats_for_mrc_route_live(tmp_path: Path) -> None:
             assert doc["pid"] == os.getpid() and doc["stats"]["conns"] == 2
             paths = doc["stats"]["paths"]
             assert len(paths) == 2 and {p["conn_error"] for p in paths} == {None}
+            assert {p["peer"] for p in paths} == {str(q) for q in range(3) if q != r}
     finally:
         close_all(comms)
     assert not list(tmp_path.iterdir())

@@ -37,6 +37,7 @@ def test_live_shows_paths_of_a_running_endpoint(tmp_path: Path) -> None:
         res = wide.invoke(cli, ["live", sock, "--count", "2", "--interval", "0.05"])
         assert res.exit_code == 0, res.output
         assert "127.0.1.4" in res.output and "good" in res.output
+        assert "#0.3" in res.output  # no name given to connect(): #connection.path
         assert ("failed" in res.output) or ("suspect" in res.output)
         srv.close()
     res = CliRunner().invoke(cli, ["live", sock, "--count", "1"])
@@ -83,3 +84,31 @@ def test_closing_the_stats_server_ends_its_thread(tmp_path: Path) -> None:
         srv.close()
         assert not srv._thread.is_alive()
         assert not Path(srv.path).exists()
+
+
+def test_live_names_paths_by_peer_and_shows_names_as_text(tmp_path: Path) -> None:
+    """A path is peer.path, the peer's name from its hello: text, never rich markup."""
+    import threading
+
+    from helpers import planes
+
+    import mrc
+
+    a, b = mrc.Endpoint(planes(1, 0)), mrc.Endpoint(planes(1, 1))
+    try:
+        port = b.listen()
+        got: list[mrc.Connection] = []
+        t = threading.Thread(target=lambda: got.append(b.accept(timeout=10)))
+        t.start()
+        ca = a.connect(b.planes[0][0], port, timeout=10, name="[red]h9")
+        t.join()
+        assert got and b.stats()["paths"][0]["peer"] == "[red]h9"
+        sock = str(tmp_path / "b.sock")
+        with b.serve_stats(sock):
+            res = CliRunner().invoke(cli, ["live", sock, "--count", "1"])
+        assert res.exit_code == 0, res.output
+        assert "[red]h9.0" in res.output
+        ca.close()
+    finally:
+        a.close()
+        b.close()

@@ -308,7 +308,9 @@ class Communicator(Collectives):
             if left <= 0 or self._failure is not None:
                 break
             try:
-                conn = self.endpoint.accept(timeout=min(left, 0.5), paths=paths_for)
+                conn = self.endpoint.accept(
+                    timeout=min(left, 0.5), paths=paths_for, name=str(self.rank)
+                )
             except MrcError as e:
                 if isinstance(e, TimeoutError):
                     continue  # poll the failure flag between waits

@@ -207,7 +207,10 @@ _STATE_STYLE = {"good": "green", "suspect": "yellow", "probing": "cyan", "failed
 def _live_table(doc: dict[str, Any], prev: dict[str, Any] | None, wide: bool) -> RichTable:
     """The paths of one stats snapshot; rates from the difference with `prev`. Narrow
     (under 120 columns) keeps what fits in 80: path, plane, destination, state, RTT,
-    rate, packets, retransmits, losses."""
+    rate, packets, retransmits, losses. A path is named peer.path: the peer's connection
+    name (a communicator's: the rank; a fabric endpoint's: the host), else #connection."""
+    from rich.markup import escape
+
     stats = doc["stats"]
     dt = doc["time"] - prev["time"] if prev else 0.0
     before = {(p["conn_id"], p["path"]): p for p in prev["stats"]["paths"]} if prev else {}
@@ -220,13 +223,13 @@ def _live_table(doc: dict[str, Any], prev: dict[str, Any] | None, wide: bool) ->
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
-    cols = ["c.path", "pl", "dst", "state", "rtt us", "Mb/s", "pkts", "retx", "lost"]
+    cols = ["peer.path", "pl", "dst", "state", "rtt us", "Mb/s", "pkts", "retx", "lost"]
     if wide:
         cols[3:3] = ["segs"]
         cols[5:5] = ["base us"]
         cols.append("cwnd KB")
     for col in cols:
-        t.add_column(col, justify="left" if col in ("dst", "state", "c.path") else "right")
+        t.add_column(col, justify="left" if col in ("dst", "state", "peer.path") else "right")
     for p in stats["paths"]:
         old = before.get((p["conn_id"], p["path"]))
         rate = (p["tx_bytes"] - old["tx_bytes"]) * 8 / dt / 1e6 if old and dt > 0 else 0.0
@@ -236,7 +239,8 @@ def _live_table(doc: dict[str, Any], prev: dict[str, Any] | None, wide: bool) ->
             ended = "closed" if p["conn_error"] == "connection closed" else "conn failed"
             state = f"[dim]{ended}[/]"
         row = {
-            "c.path": f"{p['conn']}.{p['path']}",
+            # The name comes from the peer's hello: shown as text, never as markup.
+            "peer.path": f"{escape(p.get('peer') or '#' + str(p['conn']))}.{p['path']}",
             "pl": str(p["plane"]),
             "dst": p["dst"],
             "segs": str(p["segments"]),

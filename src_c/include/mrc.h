@@ -155,6 +155,10 @@ int mrc_conn_connect_any(mrc_conn *c, const char *const *addrs, int naddrs, uint
  * clients or fail the call; its socket waits (for the endpoint's timeout) into
  * later calls. MRC_EUSAGE before mrc_ep_listen. */
 int mrc_ep_accept(mrc_ep *ep, int timeout_ms, mrc_conn **out);
+/* Server side, before mrc_conn_establish: this end's name, which the hello it
+ * sends gives the peer (an accepted connection starts without one).
+ * MRC_EUSAGE once established. */
+int mrc_conn_set_name(mrc_conn *c, const char *name);
 int mrc_conn_establish(mrc_conn *c, int timeout_ms);
 const char *mrc_conn_peer_name(const mrc_conn *c);
 int mrc_conn_peer_plane(const mrc_conn *c, int plane, char *addr, size_t addrlen);
@@ -495,6 +499,7 @@ struct mrc_path_stats {
     int conn_error;        /* 0 while the connection is up; else the MRC_E* that ended
                               it: its paths' states then stay as they were (no more
                               probes), so observers should not read them as current */
+    char peer[64];         /* the peer's connection name (its hello), "" if none */
 };
 
 struct mrc_ep_stats {

@@ -50,6 +50,8 @@ struct server {
     mrc_ep *ep;
     int want;
     int got;
+    const char *name; /* mrc_conn_set_name before establishing, if set */
+    char peer[64];    /* the last client's name */
 };
 
 /* Accepts in 10 ms slices, swallowing timeouts, as a polling server does. */
@@ -62,7 +64,11 @@ static void *serve(void *arg)
         if (rc == MRC_ETIMEOUT)
             continue;
         CHECK_RC(rc);
+        snprintf(s->peer, sizeof(s->peer), "%s", mrc_conn_peer_name(c));
+        if (s->name)
+            CHECK_RC(mrc_conn_set_name(c, s->name));
         CHECK_RC(mrc_conn_establish(c, 5000));
+        CHECK(mrc_conn_set_name(c, "late") == MRC_EUSAGE); /* the hello has gone */
         mrc_conn_destroy(c);
         s->got++;
     }
@@ -74,6 +80,27 @@ static void test_accept_before_listen(void)
     mrc_ep *b = ep_new(1, "127.0.1.");
     mrc_conn *c;
     CHECK(mrc_ep_accept(b, 10, &c) == MRC_EUSAGE);
+    mrc_ep_destroy(b);
+}
+
+/* Each end learns the other's name from its hello; an accepted connection's
+ * own name is set before establishing. */
+static void test_names(void)
+{
+    mrc_ep *a = ep_new(1, "127.0.0."), *b = ep_new(1, "127.0.1.");
+    uint16_t port;
+    CHECK_RC(mrc_ep_listen(b, NULL, 0, &port));
+    struct server s = {.ep = b, .want = 1, .name = "server-b"};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, serve, &s) == 0);
+    mrc_conn *c;
+    CHECK_RC(mrc_conn_create(a, "client-a", &c));
+    CHECK_RC(mrc_conn_connect(c, "127.0.1.1", port, 5000));
+    CHECK(strcmp(mrc_conn_peer_name(c), "server-b") == 0);
+    pthread_join(t, NULL);
+    CHECK(strcmp(s.peer, "client-a") == 0);
+    mrc_conn_destroy(c);
+    mrc_ep_destroy(a);
     mrc_ep_destroy(b);
 }
 
@@ -301,6 +328,7 @@ int main(void)
     test_accept_before_listen();
     test_destroy_during_accept();
     test_race_and_junk();
+    test_names();
     test_not_mrc();
     DONE("test_handshake");
     return 0;
