@@ -45,8 +45,12 @@ int mrc_conn_create(mrc_ep *ep, const char *name, mrc_conn **out)
 
 int mrc_conn_set_name(mrc_conn *c, const char *name)
 {
-    /* Read by the hello, which mrc_conn_establish sends: no later. */
-    if (c->state != CONN_NEW)
+    /* Read by the hello, which mrc_conn_establish sends: no later. The
+     * progress thread writes the state, under the lock. */
+    pthread_mutex_lock(&c->ep->lock);
+    int state = c->state;
+    pthread_mutex_unlock(&c->ep->lock);
+    if (state != CONN_NEW)
         return MRC_EUSAGE;
     snprintf(c->name, sizeof(c->name), "%s", name ? name : "");
     return 0;

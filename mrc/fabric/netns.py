@@ -350,7 +350,7 @@ def _apply_failed(
             # The link's down dropped each end's neighbour entry. Seeded again, as at
             # build: else the first packets ask for it while the other end is still
             # down, and the kernel asks again only a second later (retrans_time):
-            # healed paths came back after 1.0 s in 1 of 3 heals, not 50-70 ms.
+            # healed paths came back after 1.0 s in 4 of 24 heals, else in 39-125 ms.
             for node in (link.a, link.b):
                 dev, _addr, peer = link.end(node)
                 peer_dev, peer_addr, _ = link.end(peer)

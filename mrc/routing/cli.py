@@ -236,8 +236,8 @@ def _live_table(doc: dict[str, Any], prev: dict[str, Any] | None, wide: bool) ->
         style = _STATE_STYLE.get(p["state"], "")
         state = f"[{style}]{p['state']}[/]"
         if p.get("conn_error"):  # its states froze when the connection ended
-            ended = "closed" if p["conn_error"] == "connection closed" else "conn failed"
-            state = f"[dim]{ended}[/]"
+            how = "closed" if p["conn_error"] == "connection closed" else "conn failed"
+            state = f"[dim]{how}[/]"
         row = {
             # The name comes from the peer's hello: shown as text, never as markup.
             "peer.path": f"{escape(p.get('peer') or '#' + str(p['conn']))}.{p['path']}",
