@@ -128,7 +128,7 @@ def create_process_group(
     global _stats_served
     stats = os.environ.get("MRC_STATS_SOCKET")
     if stats and not _stats_served:  # the first group's, the world's: one per process
-        kw["stats_socket"] = stats.replace("{rank}", str(global_rank))
+        kw["stats_socket"] = stats  # the communicator puts its rank, the global one, in
         _stats_served = True
     comm = mrc.Communicator(rank, size, uid, timeout=secs, **kw)
     return ProcessGroupMRC(comm, rank, size, timeout)
