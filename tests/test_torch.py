@@ -308,7 +308,8 @@ def test_contiguous_tensors_are_not_copied() -> None:
 
 def test_one_rank_group_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A group of one: every call completes locally, in this process. MRC_STATS_SOCKET:
-    the world group serves its stats there, a later group of the process does not."""
+    the world group serves its stats there, a later group of the process does not, and
+    after destroy_process_group the next world group serves them again."""
     import torch
     import torch.distributed as dist
 
@@ -316,7 +317,7 @@ def test_one_rank_group_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     from mrc import telemetry
 
     monkeypatch.setenv("MRC_STATS_SOCKET", str(tmp_path / "r{rank}.sock"))
-    monkeypatch.setattr(mrc.torch, "_stats_served", False)
+    monkeypatch.setattr(mrc.torch, "_stats_owner", None)
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("mrc", store=store, rank=0, world_size=1)
     try:
@@ -340,5 +341,11 @@ def test_one_rank_group_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         w = dist.all_reduce(t, async_op=True)
         assert w.get_future().wait()[0] is t and w.is_completed()
         assert mrc.torch.communicator().size == 1
+    finally:
+        dist.destroy_process_group()
+    store = dist.FileStore(str(tmp_path / "store2"), 1)
+    dist.init_process_group("mrc", store=store, rank=0, world_size=1)
+    try:
+        assert telemetry.fetch(str(tmp_path / "r0.sock"))["stats"]["conns"] == 0
     finally:
         dist.destroy_process_group()

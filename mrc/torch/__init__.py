@@ -98,7 +98,9 @@ def _rendezvous_addr(kw: dict[str, Any], global_rank: int) -> str | None:
     return None
 
 
-_stats_served = False  # MRC_STATS_SOCKET: only the process's first group serves it
+# MRC_STATS_SOCKET: one group of the process serves it, the first (the world's) while
+# it lives; after destroy_process_group the next world group serves it again
+_stats_owner: ProcessGroupMRC | None = None
 
 
 def create_process_group(
@@ -125,13 +127,16 @@ def create_process_group(
     # MRC_TIMEOUT (mrc-run --timeout) overrides the group's timeout for the communicator:
     # torch's default of 30 minutes is long for noticing a hung peer
     secs = float(os.environ.get("MRC_TIMEOUT") or timeout.total_seconds())
-    global _stats_served
+    global _stats_owner
     stats = os.environ.get("MRC_STATS_SOCKET")
-    if stats and not _stats_served:  # the first group's, the world's: one per process
+    serve = bool(stats) and (_stats_owner is None or _stats_owner.closed)
+    if serve:
         kw["stats_socket"] = stats  # the communicator puts its rank, the global one, in
-        _stats_served = True
     comm = mrc.Communicator(rank, size, uid, timeout=secs, **kw)
-    return ProcessGroupMRC(comm, rank, size, timeout)
+    pg = ProcessGroupMRC(comm, rank, size, timeout)
+    if serve:
+        _stats_owner = pg
+    return pg
 
 
 def _create(opts: Any, pg_options: Any = None) -> ProcessGroupMRC:

@@ -153,6 +153,11 @@ class ProcessGroupMRC(dist.ProcessGroup):
         return getattr(self, "_group_desc", "")
 
     @property
+    def closed(self) -> bool:
+        """True once shut down or aborted (its communicator is closed or closing)."""
+        return self._closed
+
+    @property
     def communicator(self) -> Any:
         """The mrc Communicator under this group (its .endpoint takes fault injection)."""
         return self._comm
