@@ -254,6 +254,11 @@ cdef class Endpoint:
         if not 1 <= len(planes) <= c.MRC_MAX_PLANES:
             raise errors.UsageError(
                 f"an endpoint needs 1 to {c.MRC_MAX_PLANES} planes, got {len(planes)}")
+        seen = set()
+        for a in planes:  # two planes on one address are one NIC counted twice
+            if str(a) in seen:
+                raise errors.UsageError(f"plane address {a} is given twice: one per plane")
+            seen.add(str(a))
         if not 64 <= mss <= 65000:
             raise errors.UsageError(f"mss must be 64..65000 bytes, got {mss}")
         if window < 64 or window & (window - 1) or window > (1 << 20):

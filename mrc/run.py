@@ -25,6 +25,7 @@ across cores.
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import queue
 import secrets
@@ -42,7 +43,7 @@ from typing import IO
 
 import click
 
-from mrc.errors import MrcError
+from mrc.errors import MrcError, UsageError
 
 TAIL_LINES = 20
 STOP_GRACE_S = 3.0
@@ -374,7 +375,7 @@ class Launcher:
             except OSError as e:
                 self._stop(self.ranks)
                 self.say(f"mrc-run: cannot start {self.ranks[0].argv[0]!r}: {e.strerror}")
-                return 127
+                return 126 if e.errno == errno.EACCES else 127  # as a shell says it
             self._defer_signals = False
             if self._signal is not None:
                 raise _Stopped(self._signal)
@@ -429,17 +430,31 @@ class Launcher:
         self.say("\n".join(lines))
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+# CMD's own options are CMD's: the first word that is not one of mrc-run's starts it
+# (`mrc-run -n 4 python x.py -n 8`), with or without `--` before it, as with mpirun
+@click.command(
+    context_settings={"help_option_names": ["-h", "--help"], "allow_interspersed_args": False}
+)
+@click.version_option(package_name="mrc", prog_name="mrc-run")
 @click.option("-n", "--nranks", "n", type=int, required=True, help="Number of ranks.")
 @click.option("--fabric", type=click.Path(exists=True, dir_okay=False), help="Fabric file.")
 @click.option("--name", default="mrc", show_default=True, help="Name of the running fabric.")
 @click.option("--hosts", help="Fabric host of each rank, comma-separated (default h0..).")
-@click.option("--timeout", type=float, help="Communicator timeout, seconds (MRC_TIMEOUT).")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True, max=1e9),
+    help="Communicator timeout, seconds (MRC_TIMEOUT).",
+)
 @click.option("--planes", help="MRC_PLANES for every rank (a loopback plane count).")
-@click.option("--time-limit", type=float, default=0, help="Stop every rank after S seconds.")
+@click.option(
+    "--time-limit",
+    type=click.FloatRange(min=0, max=1e9),
+    default=0,
+    help="Stop every rank after S seconds (0: no limit).",
+)
 @click.option(
     "--settle",
-    type=float,
+    type=click.FloatRange(min=0, max=1e9),
     default=SETTLE_S,
     show_default=True,
     help="After a failure, seconds the others get to end by themselves before SIGTERM.",
@@ -464,12 +479,17 @@ def main(
     bind_to: str,
     cmd: tuple[str, ...],
 ) -> None:
-    """Start N ranks of CMD with the environment mrc.Communicator.from_env() reads."""
+    """Start N ranks of CMD with the environment mrc.Communicator.from_env() reads.
+
+    CMD's own options follow it and stay CMD's (mrc-run -n 4 python train.py -n 8); a
+    `--` before CMD is optional."""
     host_list = [h.strip() for h in hosts.split(",") if h.strip()] if hosts else None
     try:
         ranks = plan(n, cmd, fabric, name, host_list, timeout, planes)
     except MrcError as e:
-        raise click.ClickException(str(e)) from None
+        err = click.ClickException(str(e))
+        err.exit_code = 2 if isinstance(e, UsageError) else 1  # bad input: 2, as mrc-route
+        raise err from None
     if bind_to == "core":
         for rk, cpus in zip(ranks, core_blocks(n), strict=True):
             rk.cpus = cpus

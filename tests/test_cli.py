@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +26,7 @@ BIN = Path(sys.executable).parent
 
 
 @pytest.mark.parametrize(
-    "module", ["mrc.perf.cli", "mrc.routing.cli", "mrc.fabric.cli", "mrc.fabric.xfer"]
+    "module", ["mrc.perf.cli", "mrc.routing.cli", "mrc.fabric.cli", "mrc.fabric.xfer", "mrc.run"]
 )
 def test_every_cli_has_version(module: str) -> None:
     r = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True)
@@ -242,3 +243,146 @@ def test_readme_python_example_runs_as_written(tmp_path: Path) -> None:
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+# --- bad input on every command line: the problem and where, never a traceback ---------
+
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
+LAUNCHER_VARS += ("PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """python -m args, without a launcher's variables unless env gives them."""
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**base, **(env or {})},
+    )
+
+
+def said(r: subprocess.CompletedProcess[str], code: int, *parts: str) -> None:
+    out = r.stdout + r.stderr
+    assert r.returncode == code, out
+    assert "Traceback" not in out, out
+    for part in parts:
+        assert part in out, out
+
+
+def test_a_command_keeps_its_own_options(tmp_path: Path) -> None:
+    """mrc-run and mrc-fabric exec stop at the command: its -n is not theirs (mpirun's
+    and torchrun's habit), with or without `--`."""
+    argv = "import sys; print(sys.argv[1:])"
+    r = cli("mrc.run", "-n", "1", sys.executable, "-c", argv, "-n", "8", "--timeout", "5")
+    said(r, 0, "[0] ['-n', '8', '--timeout', '5']")
+    assert "[1]" not in r.stdout
+    env = {"MRC_FABRIC_STATE_DIR": str(tmp_path)}
+    for args in (["h0", "ip", "-n", "100"], ["h0", "-n", "demo", "--", "ip", "-n", "9"]):
+        r = cli("mrc.fabric.cli", "exec", *args, env=env)
+        name = "demo" if "demo" in args else "mrc"
+        said(r, 1, f"fabric '{name}' is not up")
+
+
+def test_bad_collective_arguments_and_failures_are_one_line() -> None:
+    perf = ("mrc.perf.cli", "all_reduce")
+    for args, hint in (
+        (["-b", "inf"], "-b"),
+        (["-e", "1e30"], "-e"),
+        (["-f", "nan"], "-f"),
+        (["-b", "8", "-e", "4"], "-e"),
+        (["--out_json", "/nonexistent/r.json"], "--out_json"),
+        (["--timeout", "-1"], "--timeout"),
+    ):
+        said(cli(*perf, *args), 2, "Invalid value for", hint)
+    said(cli(*perf, "-b", "8", "-e", "8"), 1, "mrc-perf: error: no launcher variables")
+    # Ranks that disagree on the size: each says so in one line, mrc-run names the rank.
+    code = (
+        "import os, sys; from mrc.perf.cli import main; "
+        "n = str(8 * (int(os.environ['RANK']) + 1)); "
+        "sys.argv = ['mrc-perf', 'all_reduce', '-b', n, '-e', n, '-n', '1']; main()"
+    )
+    r = cli("mrc.run", "-n", "2", "--timeout", "20", "--", sys.executable, "-c", code)
+    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stdout
+    assert "[0] mrc-perf: error: rank 0: all_reduce of 2 float32" in r.stdout, r.stdout
+    assert "[1] mrc-perf: error: rank 1: all_reduce of 4 float32" in r.stdout, r.stdout
+
+
+def test_a_fail_plane_after_the_run_is_not_reported_as_done() -> None:
+    r = cli(
+        "mrc.perf.cli", "write_bw", "--local", "--nplanes", "2", "-n", "50",
+        "--fail-plane", "1@30",
+    )  # fmt: skip
+    said(r, 0, "Plane 1 was not taken down: the run ended before 30 s")
+    assert "was taken down during the run" not in r.stdout
+    said(cli("mrc.perf.cli", "write_bw", "--local", "--fail-plane", "1@inf"), 2, "--fail-plane")
+
+
+def test_model_table_fits_80_columns_and_plot_is_checked_first(tmp_path: Path) -> None:
+    r = cli("mrc.perf.cli", "model", "-n", "4,1024", "-x", "1/4,3/4", env={"COLUMNS": "80"})
+    said(r, 0, "+6.7%", "+33.3%")
+    assert max(len(line) for line in r.stdout.splitlines()) <= 80, r.stdout
+    for plot, why in (("/nonexistent/o.png", "does not exist"), ("o.txt", ".png, .svg or .pdf")):
+        r = cli("mrc.perf.cli", "model", "-n", "4", "-x", "0.25", "--plot", plot)
+        said(r, 2, "--plot", why)
+        assert "healthy" not in r.stdout  # refused before the table
+
+
+def test_route_tables_and_fabric_files_name_the_file_and_field(tmp_path: Path) -> None:
+    good = json.loads(cli("mrc.routing.cli", "show", "routing/4host-4plane.toml", "--json").stdout)
+    cases: list[tuple[object, str]] = [([], "format: not a route table")]
+    no_paths = dict(good)
+    del no_paths["paths"]
+    cases.append((no_paths, "paths: missing key 'paths'"))
+    no_dst = json.loads(json.dumps(good))
+    del no_dst["paths"][2]["dst_addr"]
+    cases.append((no_dst, "paths[2].dst_addr: missing key"))
+    bad_id = json.loads(json.dumps(good))
+    bad_id["paths"][1]["id"] = "x"
+    cases.append((bad_id, "paths[1]: bad value"))
+    for i, (doc, why) in enumerate(cases):
+        f = tmp_path / f"t{i}.json"
+        f.write_text(json.dumps(doc))
+        said(cli("mrc.routing.cli", "show", str(f)), 2, f"{f}: {why}")
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(b"\xff\xfe\x00 planes = 4")
+    said(cli("mrc.routing.cli", "check", str(binary)), 2, f"{binary}: not a text (UTF-8) file")
+    said(cli("mrc.run", "-n", "2", "--fabric", str(binary), "--", "true"), 2, "not a text")
+    r = cli("mrc.routing.cli", "show", "routing/4host-4plane.toml", "--failed", "plane9")
+    said(r, 2, "planes are plane0..plane3")
+
+
+def test_live_says_what_the_path_is_and_ends_on_ctrl_c(tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    said(cli("mrc.routing.cli", "live", str(plain)), 2, "is not a socket")
+    said(cli("mrc.routing.cli", "live", str(tmp_path)), 2, "is a directory")
+    sock = str(tmp_path / "s.sock")
+    with mrc.Endpoint("127.0.0.1") as ep, ep.serve_stats(sock):
+        p = subprocess.Popen(
+            [sys.executable, "-m", "mrc.routing.cli", "live", sock, "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert p.stdout is not None and p.stdout.readline().startswith("{")  # it is running
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 0 and not err, err
+
+
+def test_launcher_and_fabric_refuse_bad_values(tmp_path: Path) -> None:
+    for opt, value in (("--timeout", "0"), ("--time-limit", "-1"), ("--settle", "-1")):
+        said(cli("mrc.run", "-n", "1", opt, value, "--", "true"), 2, opt)
+    noexec = tmp_path / "prog"
+    noexec.write_text("x")
+    said(cli("mrc.run", "-n", "1", "--", str(noexec)), 126, "Permission denied")
+    env = {"MRC_FABRIC_STATE_DIR": str(tmp_path)}
+    said(cli("mrc.fabric.cli", "status", "--name", "bad-x", env=env), 2, "bad fabric name")
+    (tmp_path / "broken.json").write_text('{"fabric": "x"}')
+    said(cli("mrc.fabric.cli", "status", "--name", "broken", env=env), 1, "not a fabric state")
+    with pytest.raises(mrc.UsageError, match="127.0.0.1 is given twice"):
+        mrc.Endpoint(["127.0.0.1", "127.0.0.1"])

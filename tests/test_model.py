@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 import subprocess
 import sys
 from fractions import Fraction
@@ -581,9 +582,10 @@ def test_cli_table_at_scale_and_plot(tmp_path) -> None:
         ["model", "--ranks", "16,64,1024", "--lost-fraction", "1/4,1/2,3/4", "--plot", str(png)],
     )
     assert res.exit_code == 0, res.output
-    rows = [line for line in res.output.splitlines() if line.startswith("│")]
-    assert len(rows) == 9
-    assert "+33.3%" in rows[0] and "+1.6%" in rows[0]  # n=16, X=1/4: ring, bound
+    lines = res.output.splitlines()
+    rows = [i for i, line in enumerate(lines) if re.match(r" *(16|64|1024) +0\.\d+ ", line)]
+    assert len(rows) == 9  # each row two lines: times, then overheads
+    assert "+33.3%" in lines[rows[0] + 1] and "+1.6%" in lines[rows[0] + 1]  # n=16, X=1/4
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

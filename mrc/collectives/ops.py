@@ -76,7 +76,8 @@ def scratch_slots(n: int, chunk: int = 0) -> int:
     with h1's plane 1 down on the shaped fabric the resilient all_reduce of 64 MiB took
     258-264 ms with 4 slots, 251-254 with 8, 238-250 with 16 and 241 with 32; healthy
     ones 214 ms with any (docs/architecture.md, "The executor"). 4 ranks: 16 slots,
-    12 MiB; 8 ranks: 9; from 14 ranks on 4, (n-1) MiB (over the budget from 18). chunk 0: the default."""
+    12 MiB; 8 ranks: 9; from 14 ranks on 4, (n-1) MiB (over the budget from 18).
+    chunk 0: the default."""
     rings = max(n - 1, 1)
     return max(SLOTS_MIN, min(SLOTS_MAX, SCRATCH_BUDGET // (rings * (chunk or CHUNK_BYTES))))
 

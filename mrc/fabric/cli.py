@@ -22,6 +22,7 @@ import click
 from rich.console import Console
 from rich.table import Table as RichTable
 
+from mrc.errors import UsageError
 from mrc.fabric import netns
 from mrc.fabric.state import DEFAULT_PREFIX, FabricNetError
 from mrc.routing.fabric import FabricError
@@ -42,7 +43,7 @@ def _name(f: F) -> F:
 
 def _fail(err: Exception) -> NoReturn:
     click.echo(f"mrc-fabric: error: {err}", err=True)
-    sys.exit(2 if isinstance(err, FabricError) else 1)
+    sys.exit(2 if isinstance(err, UsageError) else 1)  # a fabric file, an element, a name
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -149,7 +150,41 @@ def status(prefix: str, as_json: bool) -> None:
         sys.exit(1)
 
 
-@cli.command("exec", context_settings={"ignore_unknown_options": True})
+class _CommandLast(click.Command):
+    """ELEMENT, this command's own options, then CMD: the first word after ELEMENT that
+    is not one of its options starts CMD, and everything from there on is CMD's (its
+    -n is not --name), with or without the `--` before it."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        own: dict[str, bool] = {}  # option -> takes a value
+        for p in self.get_params(ctx):
+            if isinstance(p, click.Option):
+                for o in p.opts + p.secondary_opts:
+                    own[o] = not p.is_flag
+        out: list[str] = []
+        seen_element = False
+        i = 0
+        while i < len(args):
+            a = args[i]
+            if a == "--":
+                out += args[i:]
+                break
+            name = a.split("=", 1)[0]
+            if name in own:
+                step = 2 if own[name] and "=" not in a else 1
+                out += args[i : i + step]
+                i += step
+                continue
+            if seen_element:
+                out += ["--", *args[i:]]
+                break
+            seen_element = True
+            out.append(a)
+            i += 1
+        return super().parse_args(ctx, out)
+
+
+@cli.command("exec", cls=_CommandLast)
 @click.argument("element")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 @_name

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mrc.errors import MrcError
+from mrc.errors import MrcError, UsageError
 
 STATE_DIR_ENV = "MRC_FABRIC_STATE_DIR"
 DEFAULT_STATE_DIR = "/run/mrc-fabric"
@@ -25,13 +25,17 @@ class FabricNetError(MrcError):
     """A namespace fabric operation failed (not up, already up, a command failed...)."""
 
 
+class FabricNameError(FabricNetError, UsageError):
+    """A fabric name (--name) that cannot name namespaces: bad input."""
+
+
 def state_dir() -> Path:
     return Path(os.environ.get(STATE_DIR_ENV, DEFAULT_STATE_DIR))
 
 
 def check_prefix(prefix: str) -> str:
     if not _PREFIX.match(prefix):
-        raise FabricNetError(
+        raise FabricNameError(
             f"bad fabric name {prefix!r}: 1-12 letters, digits or _ (no '-', so that "
             "'<name>-' never matches another fabric's namespaces)"
         )
@@ -73,12 +77,22 @@ def load_state(prefix: str) -> State:
         ) from None
     except (OSError, ValueError) as e:
         raise FabricNetError(f"cannot read {path}: {e}") from None
-    return State(
-        prefix=str(data["prefix"]),
-        fabric=str(data["fabric"]),
-        failed=[str(x) for x in data.get("failed", [])],
-        loss={str(k): float(v) for k, v in data.get("loss", {}).items()},
-    )
+    try:
+        return State(
+            prefix=str(data["prefix"]),
+            fabric=str(data["fabric"]),
+            failed=[str(x) for x in data.get("failed", [])],
+            loss={str(k): float(v) for k, v in data.get("loss", {}).items()},
+        )
+    except KeyError as e:
+        raise FabricNetError(
+            f"{path}: not a fabric state (no {e.args[0]!r}); `mrc-fabric down --name {prefix}` "
+            "cleans up"
+        ) from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise FabricNetError(
+            f"{path}: not a fabric state ({e}); `mrc-fabric down --name {prefix}` cleans up"
+        ) from None
 
 
 def remove_state(prefix: str) -> None:

@@ -18,7 +18,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy is imported a
 import click  # noqa: E402
 
 from mrc.perf import coll as coll_commands  # noqa: E402
-from mrc.perf import model_cli  # noqa: E402
+from mrc.perf import model_cli, report  # noqa: E402
 from mrc.perf.options import (  # noqa: E402
     DEFAULT_BW_ITERS,
     DEFAULT_BW_SIZE,
@@ -44,9 +44,13 @@ def _plane_at(value: str) -> tuple[int, float]:
             raise ValueError
         p, s = int(plane), float(secs)
     except ValueError:
-        raise click.BadParameter(f"{value!r}: expected PLANE@SECONDS, e.g. 1@2.5") from None
-    if p < 0 or s < 0:
-        raise click.BadParameter(f"{value!r}: plane and seconds must be >= 0")
+        raise click.BadParameter(
+            f"{value!r}: expected PLANE@SECONDS, e.g. 1@2.5", param_hint="--fail-plane"
+        ) from None
+    if p < 0 or not 0 <= s < 1e6:  # also refuses nan and inf
+        raise click.BadParameter(
+            f"{value!r}: plane >= 0 and seconds 0..1e6", param_hint="--fail-plane"
+        )
     return p, s
 
 
@@ -57,9 +61,13 @@ def _plane_loss(value: str) -> tuple[int, float]:
             raise ValueError
         p, x = int(plane), float(pct.rstrip("%"))
     except ValueError:
-        raise click.BadParameter(f"{value!r}: expected PLANE:PERCENT, e.g. 0:1.5") from None
+        raise click.BadParameter(
+            f"{value!r}: expected PLANE:PERCENT, e.g. 0:1.5", param_hint="--loss"
+        ) from None
     if p < 0 or not 0 <= x <= 100:
-        raise click.BadParameter(f"{value!r}: plane >= 0 and percent in 0..100")
+        raise click.BadParameter(
+            f"{value!r}: plane >= 0 and percent in 0..100", param_hint="--loss"
+        )
     return p, x
 
 
@@ -88,18 +96,6 @@ def _source_for(server: str) -> str | None:
         except OSError:
             return None
         return str(s.getsockname()[0])
-
-
-def _out_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """Checked before the run, so a bad path does not lose a finished run's results."""
-    if value is None:
-        return None
-    parent = os.path.dirname(os.path.abspath(value))
-    if not os.path.isdir(parent):
-        raise click.BadParameter(f"{value}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (os.path.exists(value) and not os.access(value, os.W_OK)):
-        raise click.BadParameter(f"{value}: not writable")
-    return value
 
 
 def common_options(f: F) -> F:
@@ -191,7 +187,7 @@ def common_options(f: F) -> F:
             "--out-json-file",
             "out_json_file",
             type=click.Path(dir_okay=False, writable=True),
-            callback=_out_file,
+            callback=report.out_file,
             help="Write the JSON results here (checked before the run).",
         ),
         click.option(
@@ -276,7 +272,9 @@ def _run(test: str, **kw: Any) -> None:
     nplanes = kw["nplanes"] if kw["local"] else len(planes)
     for p, _ in fail_plane + loss:
         if p >= nplanes and not kw["fabric"]:
-            raise click.BadParameter(f"plane {p} does not exist (0..{nplanes - 1})")
+            raise click.BadParameter(
+                f"plane {p} does not exist (0..{nplanes - 1})", param_hint="--fail-plane/--loss"
+            )
     opts = PerfOptions(
         test=test,
         size=kw["size"] or (DEFAULT_BW_SIZE if is_bw else DEFAULT_LAT_SIZE),

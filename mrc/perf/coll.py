@@ -22,6 +22,8 @@ the ranks.
 from __future__ import annotations
 
 import json
+import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +31,8 @@ from typing import Any
 
 import click
 import numpy as np
+
+from mrc.perf import report
 
 COLLECTIVES = (
     "all_reduce",
@@ -72,23 +76,34 @@ for _names, _np in (
 NCCL_NAMES = {"float16": "half", "float32": "float", "float64": "double"}
 
 
-def parse_size(text: str) -> int:
-    """nccl-tests' sizes: 8, 64K, 1M, 2G (powers of 1024)."""
+MAX_BYTES = 1 << 40  # a size beyond this is a typo, not a buffer this machine allocates
+
+
+def parse_size(text: str, hint: str | None = None) -> int:
+    """nccl-tests' sizes: 8, 64K, 1M, 2G (powers of 1024). hint: the option, for errors."""
     t = text.strip().upper()
     scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
     digits = t[:-1] if t[-1:] in "KMG" else t
     try:
-        value = int(float(digits) * scale)
+        x = float(digits) * scale
+        if not math.isfinite(x):
+            raise ValueError
     except ValueError:
-        raise click.BadParameter(f"{text!r}: want bytes, e.g. 8, 64K, 1M, 2G") from None
-    if value < 0:
-        raise click.BadParameter(f"{text!r}: size must be >= 0")
-    return value
+        raise click.BadParameter(
+            f"{text!r}: want bytes, e.g. 8, 64K, 1M, 2G", param_hint=hint
+        ) from None
+    if not 0 <= x <= MAX_BYTES:
+        raise click.BadParameter(f"{text!r}: size must be 0..1T", param_hint=hint)
+    return int(x)
+
+
+def _size_option(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    return parse_size(value, param.opts[0] if param.opts else None)
 
 
 def sizes(minb: int, maxb: int, factor: float, step: int) -> list[int]:
     if maxb < minb:
-        raise click.BadParameter(f"-e {maxb} is below -b {minb}")
+        raise click.BadParameter(f"-e {maxb} is below -b {minb}", param_hint="-e")
     out, s = [], minb
     while s <= maxb:
         out.append(s)
@@ -363,7 +378,7 @@ def run_perf(
 ) -> dict[str, Any]:
     n = comm.size
     if not 0 <= root < n:
-        raise click.BadParameter(f"-r {root}: root must be a rank, 0..{n - 1}")
+        raise click.BadParameter(f"-r {root}: root must be a rank, 0..{n - 1}", param_hint="-r")
     factor = busbw_factor(coll, n)
     name = DTYPES[dtype][0]
     reduces = coll in ("all_reduce", "reduce", "reduce_scatter")
@@ -422,25 +437,101 @@ def command(coll: str) -> click.Command:
         help=f"nccl-tests' {coll}_perf over mrc; every rank runs it (under mrc-run).",
         context_settings={"help_option_names": ["-h", "--help"]},
     )
-    @click.option("-b", "--minbytes", default="32M", show_default=True, help="Smallest size.")
-    @click.option("-e", "--maxbytes", default="32M", show_default=True, help="Largest size.")
-    @click.option("-f", "--stepfactor", type=float, default=2.0, show_default=True)
-    @click.option("-i", "--stepbytes", default="0", help="Add this instead of multiplying.")
-    @click.option("-n", "--iters", type=click.IntRange(min=1), default=20, show_default=True)
-    @click.option("-w", "--warmup_iters", type=click.IntRange(min=0), default=1, show_default=True)
-    @click.option("-c", "--check", type=click.IntRange(0, 1), default=1, show_default=True)
-    @click.option("-o", "--op", type=click.Choice(OPS), default="sum", show_default=True)
     @click.option(
-        "-d", "--datatype", type=click.Choice(sorted(DTYPES)), default="float", show_default=True
+        "-b",
+        "--minbytes",
+        default="32M",
+        show_default=True,
+        callback=_size_option,
+        help="Smallest size (bytes; K, M, G: powers of 1024).",
     )
-    @click.option("-r", "--root", type=int, default=0, show_default=True)
-    @click.option("--timeout", type=float, help="Communicator timeout (default MRC_TIMEOUT/60).")
-    @click.option("--out_json", type=click.Path(dir_okay=False), help="Rank 0 writes results.")
+    @click.option(
+        "-e",
+        "--maxbytes",
+        default="32M",
+        show_default=True,
+        callback=_size_option,
+        help="Largest size.",
+    )
+    @click.option(
+        "-f",
+        "--stepfactor",
+        type=float,
+        default=2.0,
+        show_default=True,
+        help="Multiply the size by this each step.",
+    )
+    @click.option(
+        "-i",
+        "--stepbytes",
+        default="0",
+        callback=_size_option,
+        help="Add this to the size each step instead of multiplying.",
+    )
+    @click.option(
+        "-n",
+        "--iters",
+        type=click.IntRange(min=1),
+        default=20,
+        show_default=True,
+        help="Timed operations per size.",
+    )
+    @click.option(
+        "-w",
+        "--warmup_iters",
+        type=click.IntRange(min=0),
+        default=1,
+        show_default=True,
+        help="Untimed operations per size first.",
+    )
+    @click.option(
+        "-c",
+        "--check",
+        type=click.IntRange(0, 1),
+        default=1,
+        show_default=True,
+        help="1: check every result against the rank-order reference (#wrong).",
+    )
+    @click.option(
+        "-o",
+        "--op",
+        type=click.Choice(OPS),
+        default="sum",
+        show_default=True,
+        help="Reduction.",
+    )
+    @click.option(
+        "-d",
+        "--datatype",
+        type=click.Choice(sorted(DTYPES)),
+        default="float",
+        show_default=True,
+        help="Element type.",
+    )
+    @click.option(
+        "-r",
+        "--root",
+        type=int,
+        default=0,
+        show_default=True,
+        help="Root rank of broadcast and reduce.",
+    )
+    @click.option(
+        "--timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        help="Communicator timeout, seconds (default MRC_TIMEOUT, else 60).",
+    )
+    @click.option(
+        "--out_json",
+        type=click.Path(dir_okay=False),
+        callback=report.out_file,
+        help="Rank 0 writes the results here (checked before the run).",
+    )
     def cmd(
-        minbytes: str,
-        maxbytes: str,
+        minbytes: int,
+        maxbytes: int,
         stepfactor: float,
-        stepbytes: str,
+        stepbytes: int,
         iters: int,
         warmup_iters: int,
         check: int,
@@ -452,27 +543,47 @@ def command(coll: str) -> click.Command:
     ) -> None:
         import mrc
 
-        if stepfactor <= 1 and parse_size(stepbytes) == 0:
-            raise click.BadParameter(f"-f {stepfactor}: the step factor must be > 1")
-        size_list = sizes(
-            parse_size(minbytes), parse_size(maxbytes), stepfactor, parse_size(stepbytes)
-        )
+        if not (math.isfinite(stepfactor) and (stepfactor > 1 or stepbytes)):
+            raise click.BadParameter(f"{stepfactor}: the step factor must be > 1", param_hint="-f")
+        size_list = sizes(minbytes, maxbytes, stepfactor, stepbytes)
         kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-        with mrc.Communicator.from_env(**kw) as comm:
+        try:
+            with mrc.Communicator.from_env(**kw) as comm:
 
-            def echo(line: str) -> None:
-                if comm.rank == 0:
-                    click.echo(line)
+                def echo(line: str) -> None:
+                    if comm.rank == 0:
+                        click.echo(line)
 
-            result = run_perf(
-                coll, comm, size_list, iters, warmup_iters, bool(check), op, datatype, root, echo
-            )
-            if out_json and comm.rank == 0:
-                with open(out_json, "w") as f:
-                    json.dump(result, f, indent=1)
-                    f.write("\n")
-            if result["wrong"]:
-                raise SystemExit(1)  # as nccl-tests: a wrong result fails the run
+                result = run_perf(
+                    coll,
+                    comm,
+                    size_list,
+                    iters,
+                    warmup_iters,
+                    bool(check),
+                    op,
+                    datatype,
+                    root,
+                    echo,
+                )
+                if out_json and comm.rank == 0:
+                    with open(out_json, "w") as f:
+                        json.dump(result, f, indent=1)
+                        f.write("\n")
+        except mrc.MrcError as e:  # a peer's failure, a mismatch, bad launcher variables
+            # (the message names the rank)
+            click.echo(f"mrc-perf: error: {e}", err=True)
+            sys.exit(1)
+        except MemoryError:
+            click.echo(f"mrc-perf: error: out of memory for -e {maxbytes} bytes", err=True)
+            sys.exit(1)
+        except OSError as e:  # --out_json: checked before the run, may have gone since
+            click.echo(f"mrc-perf: error: {e}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            sys.exit(130)
+        if result["wrong"]:
+            raise SystemExit(1)  # as nccl-tests: a wrong result fails the run
 
     return cmd
 

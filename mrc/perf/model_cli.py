@@ -10,11 +10,13 @@ latency term, for one rank that lost a fraction X of its bandwidth.
 from __future__ import annotations
 
 import json
+import os
 from fractions import Fraction
 
 import click
 
 from mrc.collectives import model as m
+from mrc.perf import report
 
 PLOT_RANKS = (4, 16, 64)
 PLOT_MARKS = (0.25, 0.5, 0.75)  # 1, 2, 3 planes of 4 lost
@@ -23,8 +25,8 @@ PLOT_MARKS = (0.25, 0.5, 0.75)  # 1, 2, 3 planes of 4 lost
 COLUMNS = (
     ("healthy", "healthy"),
     ("ring", "ring"),
-    ("split_x", "R2CC Y=X"),
-    ("split_opt", "R2CC Y*"),
+    ("split_x", "R2CC\nY=X"),
+    ("split_opt", "R2CC\nY*"),
     ("mrc", "mrc"),
     ("lower_bound", "bound"),
 )
@@ -63,10 +65,6 @@ def _fractions(ctx: click.Context, param: click.Parameter, value: str) -> list[f
     return xs
 
 
-def _overhead(t: float, healthy: float) -> str:
-    return "" if healthy == 0.0 else f" {100.0 * (t / healthy - 1.0):+.1f}%"
-
-
 def _host_rate(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
     if value is None:
         return None
@@ -81,15 +79,28 @@ def _host_rate(ctx: click.Context, param: click.Parameter, value: str | None) ->
     return h
 
 
+def _plot_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Checked before anything is computed or printed: a .png, .svg or .pdf that can be
+    written."""
+    if value is not None and os.path.splitext(value)[1].lower() not in (".png", ".svg", ".pdf"):
+        raise click.BadParameter(f"{value}: give a .png, .svg or .pdf file")
+    return report.out_file(ctx, param, value)
+
+
 def print_table(ranks: list[int], xs: list[float], host: float | None = None) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    with_host = "" if host is None else f", hosts at {host:g}B"
+    with_host = None if host is None else f"hosts at {host:g}B (--host-rate)"
     table = Table(
-        title="AllReduce, one rank at (1-X)B: time in D/B, no latency (overhead vs healthy)"
-        + with_host,
+        title="AllReduce, one rank at (1-X)B: time in D/B (no latency), overhead",
+        caption=with_host,
+        caption_justify="left",
         title_justify="left",
+        box=box.SIMPLE_HEAD,  # each row two lines, time over overhead: fits 80 columns
+        show_edge=False,
+        pad_edge=False,
     )
     table.add_column("n", justify="right")
     table.add_column("X", justify="right")
@@ -101,10 +112,12 @@ def print_table(ranks: list[int], xs: list[float], host: float | None = None) ->
             row = m.summary(n, x, host)
             cells = [str(n), f"{x:.3g}"]
             for key, _ in COLUMNS:
-                cells.append(f"{row[key]:.4f}{_overhead(row[key], row['healthy'])}")
+                over = 100.0 * (row[key] / row["healthy"] - 1.0) if row["healthy"] else 0.0
+                pct = f"{over:+.1f}%" if abs(over) < 99.95 else f"{over:+.0f}%"
+                cells.append(f"{row[key]:.4f}\n{pct}")
             cells.append(f"{row['y_opt']:.4f}")
             table.add_row(*cells)
-    Console(width=140).print(table)
+    Console().print(table)
 
 
 def plot(path: str, host: float | None = None) -> None:
@@ -180,8 +193,9 @@ def plot(path: str, host: float | None = None) -> None:
 @click.option(
     "--plot",
     "plot_file",
-    type=click.Path(dir_okay=False, writable=True),
-    help=f"Draw overhead vs X for n in {{{', '.join(map(str, PLOT_RANKS))}}} into this PNG.",
+    type=click.Path(dir_okay=False),
+    callback=_plot_file,
+    help=f"Draw overhead vs X for n in {{{', '.join(map(str, PLOT_RANKS))}}} (.png, .svg, .pdf).",
 )
 def model(
     ranks: list[int], lost: list[float], host: float | None, as_json: bool, plot_file: str | None

@@ -4,10 +4,12 @@ the failover timeline, JSON, and the live progress line (stderr, rich)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+import click
 from rich.console import Console
 from rich.live import Live
 from rich.text import Text
@@ -156,12 +158,19 @@ def timeline_table(
 
 def failover_summary(
     paths: list[dict[str, Any]],
+    fail_plane: Sequence[tuple[int, float]],
     failed_planes: Sequence[int],
     local_planes: Sequence[tuple[str, int]],
     verified: bool | None = None,
 ) -> str:
-    """Plain words for what a failed plane did to the run."""
-    out = []
+    """Plain words for what a failed plane did to the run. fail_plane: what --fail-plane
+    asked for; failed_planes: the planes actually taken down before the run ended."""
+    out = [
+        f" Plane {plane} was not taken down: the run ended before {secs:g} s (--fail-plane "
+        f"{plane}@{secs:g}); give a longer run (-n or -D) or an earlier time."
+        for plane, secs in fail_plane
+        if plane not in failed_planes
+    ]
     for plane in failed_planes:
         mine = [p for p in paths if p["plane"] == plane]
         states = ", ".join(sorted({p["state"] for p in mine})) or "no paths"
@@ -178,6 +187,19 @@ def failover_summary(
     elif verified is False:
         out.append(" Data differed at the two ends (--verify FAIL).")
     return "\n".join(out)
+
+
+def out_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An output file's option, checked before the run, so a bad path does not lose a
+    finished run's results."""
+    if value is None:
+        return None
+    parent = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(parent):
+        raise click.BadParameter(f"{value}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(value) and not os.access(value, os.W_OK)):
+        raise click.BadParameter(f"{value}: not writable")
+    return value
 
 
 def write_json(data: dict[str, Any], path: str | None, out: TextIO) -> None:

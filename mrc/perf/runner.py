@@ -125,10 +125,12 @@ def _fabric_link(opts: PerfOptions, fabric_file: str, host: str) -> Link:
         ) from e
     try:
         fe: Any = paths.fabric_endpoint(fabric_file, host, mss=opts.mss, timeout=opts.timeout)
-    except mrc.MrcError as e:
-        raise PerfError(f"--fabric {fabric_file} --host {host}: {e}") from e
+    except mrc.MrcError as e:  # a bad fabric file is bad input (2), as in mrc-route
+        code = 2 if isinstance(e, mrc.UsageError) else 1
+        raise PerfError(f"--fabric {fabric_file} --host {host}: {e}", code=code) from e
     except (OSError, ValueError, KeyError) as e:
-        raise PerfError(f"--fabric {fabric_file} --host {host}: {e}", code=2) from e
+        why = e.args[0] if isinstance(e, KeyError) and e.args else e  # not KeyError's quotes
+        raise PerfError(f"--fabric {fabric_file} --host {host}: {why}", code=2) from e
     ep: mrc.Endpoint = fe.endpoint
     peer = opts.server or ""
 
@@ -160,6 +162,7 @@ class Observer:
     t0: float = 0.0
     samples: list[tuple[float, list[int]]] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)  # planes taken down, in that order
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
     _timers: list[threading.Timer] = field(default_factory=list)
@@ -178,7 +181,10 @@ class Observer:
             self._threads.append(th)
 
     def _fail(self, plane: int) -> None:
+        if self._stop.is_set():
+            return  # the run has ended: the summary says the plane was not taken down
         self.ep.inject(plane, down=True)
+        self.failed.append(plane)
         self.events.append((time.monotonic() - self.t0, f"plane {plane} down"))
 
     def sample(self) -> None:
@@ -197,9 +203,11 @@ class Observer:
         return [p for p in self.ep.stats()["paths"] if p["conn_id"] in self.conn_ids]
 
     def stop(self) -> None:
+        self._stop.set()
         for t in self._timers:
             t.cancel()
-        self._stop.set()
+            if t.is_alive() and t is not threading.current_thread():
+                t.join()  # one taking its plane down now: in the summary or not, not half
         for th in self._threads:
             th.join()
         if self.opts.show_paths or self.opts.out_json or self.opts.out_json_file:
@@ -288,7 +296,7 @@ class Session:
         if self.opts.fail_plane and obs is not None:
             self.print(
                 report.failover_summary(
-                    paths, [p for p, _ in self.opts.fail_plane], self.ep.planes, self.verify_ok
+                    paths, self.opts.fail_plane, obs.failed, self.ep.planes, self.verify_ok
                 )
             )
         if self.opts.out_json or self.opts.out_json_file:

@@ -264,12 +264,15 @@ def _fetch_error(path: str, e: Exception) -> OSError:
     import os
     import stat
 
+    try:
+        mode: int | None = os.stat(path).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISSOCK(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a socket"
+        return OSError(f"{path} is {kind}: give the Unix socket the endpoint serves stats on")
     if isinstance(e, ConnectionRefusedError):
-        try:
-            is_sock = stat.S_ISSOCK(os.stat(path).st_mode)
-        except OSError:
-            is_sock = False
-        if is_sock:
+        if mode is not None:
             return OSError(
                 f"{path} is a stale stats socket: no endpoint serves it any more (its process "
                 f"ended without closing it); remove it with `rm {path}`"
@@ -296,11 +299,8 @@ def _fetch_error(path: str, e: Exception) -> OSError:
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON snapshot per line.")
 def live(socket_path: str, interval: float, count: int, as_json: bool) -> None:
-    """Live path state of a running endpoint (one that called serve_stats(SOCKET))."""
-    import time
-
-    from rich.live import Live
-
+    """Live path state of a running endpoint (one that called serve_stats(SOCKET)).
+    Ctrl-C ends it (exit 0)."""
     from mrc.telemetry import fetch
 
     def snap() -> dict[str, Any]:
@@ -308,6 +308,19 @@ def live(socket_path: str, interval: float, count: int, as_json: bool) -> None:
             return fetch(socket_path)
         except (OSError, ValueError) as e:
             _fail(_fetch_error(socket_path, e), as_json)
+
+    try:
+        _live_loop(snap, interval, count, as_json)
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how a live view ends
+
+
+def _live_loop(
+    snap: Callable[[], dict[str, Any]], interval: float, count: int, as_json: bool
+) -> None:
+    import time
+
+    from rich.live import Live
 
     prev: dict[str, Any] | None = None
     n = 0

@@ -202,10 +202,11 @@ class Fabric:
             try:
                 self.element(name)
             except KeyError:
+                why = "not a host, switch, link or planeN"
+                if re.fullmatch(r"plane\d+", name):
+                    why = f"this fabric's planes are plane0..plane{self.planes - 1}"
                 raise FabricError(
-                    f"unknown element {name!r} (not a host, switch, link or planeN)",
-                    file or self.source,
-                    key="failed",
+                    f"unknown element {name!r} ({why})", file or self.source, key="failed"
                 ) from None
         return out
 
@@ -589,4 +590,8 @@ def load_fabric(path: str | FsPath) -> Fabric:
         text = FsPath(path).read_text()
     except OSError as e:
         raise FabricError(f"cannot read: {e.strerror}", file) from None
+    except UnicodeDecodeError as e:
+        raise FabricError(
+            f"not a text (UTF-8) file: byte {e.start} is 0x{e.object[e.start]:02x}", file
+        ) from None
     return parse_fabric(text, file)

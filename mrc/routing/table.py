@@ -14,6 +14,7 @@ share one): segments [leaf SID, B's address].
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -183,20 +184,38 @@ class Table:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], file: str = "<json>") -> Table:
-        if d.get("format") != TABLE_FORMAT:
+        """A table written by to_dict(). Raises FabricError naming the file and the field."""
+        if not isinstance(d, dict) or d.get("format") != TABLE_FORMAT:
             raise FabricError(f"not a route table (format is not {TABLE_FORMAT})", file, "format")
-        t = cls(
-            fabric_name=str(d["fabric"]),
-            source=str(d.get("source", file)),
-            planes=int(d["planes"]),
-            hosts={str(k): [str(a) for a in v] for k, v in d["hosts"].items()},
-            sids={str(k): str(v) for k, v in d.get("sids", {}).items()},
-            failed=frozenset(str(x) for x in d.get("failed", ())),
-        )
-        for row in d["paths"]:
-            p = Path.from_dict(row)
+        with _field(file, None):
+            t = cls(
+                fabric_name=str(d["fabric"]),
+                source=str(d.get("source", file)),
+                planes=int(d["planes"]),
+                hosts={str(k): [str(a) for a in v] for k, v in d["hosts"].items()},
+                sids={str(k): str(v) for k, v in d.get("sids", {}).items()},
+                failed=frozenset(str(x) for x in d.get("failed", ())),
+            )
+            rows = list(d["paths"])
+        for i, row in enumerate(rows):
+            with _field(file, f"paths[{i}]"):
+                p = Path.from_dict(row)
             t.all_paths.setdefault((p.src, p.dst), []).append(p)
         return t
+
+
+@contextlib.contextmanager
+def _field(file: str, where: str | None) -> Iterator[None]:
+    """A missing key or a value of the wrong type in a JSON table, as a FabricError."""
+    try:
+        yield
+    except KeyError as e:
+        key = str(e.args[0])
+        raise FabricError(
+            f"missing key {key!r}", file, f"{where}.{key}" if where else key
+        ) from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise FabricError(f"bad value ({e})", file, where) from None
 
 
 def compile_table(fabric: Fabric, failed: Iterable[str] = ()) -> Table:
