@@ -64,6 +64,33 @@ def error_for(int rc, str what) -> errors.MrcError:
     return exc
 
 
+# fork(): the child has the parent's memory but none of its threads, so an endpoint
+# made before the fork has no progress thread there, and a lock held at the fork
+# stays held. Every object of such an endpoint refuses its calls in the child, and
+# closing or dropping it there lets go of it without touching the C side (the
+# parent's copy goes on unaffected).
+cdef unsigned long _fork_gen = 0
+
+
+def _forked_child() -> None:
+    global _fork_gen
+    _fork_gen += 1
+
+
+os.register_at_fork(after_in_child=_forked_child)
+
+
+cdef inline bint _foreign(Endpoint ep):
+    """ep was made in this process's parent, before a fork()."""
+    return ep is not None and ep._gen != _fork_gen
+
+
+cdef _fork_error(Endpoint ep):
+    return errors.UsageError(
+        f"this endpoint belongs to process {ep._pid}, which forked this one: a child "
+        "cannot use its parent's endpoint; create one in the child")
+
+
 cdef _wait_idle(obj, str what):
     """Blocks (GIL released in between) until obj._busy_count() is 0: calls of
     other threads that released the GIL with obj's C pointer have returned."""
@@ -232,6 +259,8 @@ cdef class Endpoint:
     cdef list _dropped     # Operations dropped while pending: _Orphan (op + its region)
     cdef list _late_regions  # registered while close() ran: views released after it
     cdef int _busy         # calls running without the GIL on self.ep
+    cdef unsigned long _gen  # _fork_gen when made: another is a forked child's
+    cdef long _pid
     cdef Py_ssize_t _reap_at  # reap _dropped when this many: amortised O(1) per post
     cdef readonly tuple planes
     cdef readonly int mss
@@ -290,6 +319,8 @@ cdef class Endpoint:
                 f"all:PERCENT, comma-separated, with PLANE 0..{len(planes) - 1} and PERCENT "
                 "0..100 (e.g. MRC_LOSS=1:5 drops 5% on plane 1)")
         check(rc, lambda: f"Failed to create an endpoint on planes {', '.join(map(str, planes))}")
+        self._gen = _fork_gen
+        self._pid = os.getpid()
         self.mss = mss
         self.timeout = timeout
         cdef char buf[64]
@@ -303,6 +334,8 @@ cdef class Endpoint:
     cdef c.mrc_ep *_ptr(self) except NULL:
         if self.ep == NULL:
             raise errors.ConnectionClosedError("endpoint is closed")
+        if self._gen != _fork_gen:
+            raise _fork_error(self)
         return self.ep
 
     cdef c.mrc_ep *_enter(self) except NULL:
@@ -611,6 +644,9 @@ cdef class Endpoint:
         ConnectionClosedError)."""
         if self.ep == NULL:
             return
+        if _foreign(self):  # a forked child: let go, the parent's copy is not ours
+            self.ep = NULL
+            return
         children = list(self._children)
         cqs = [x for x in children if isinstance(x, CompletionQueue)]
         for q in cqs:
@@ -659,15 +695,17 @@ cdef class Endpoint:
         self.close()
 
     def __dealloc__(self):
-        if self.ep != NULL:
+        if self.ep != NULL and not _foreign(self):
             c.mrc_ep_destroy(self.ep)
-            self.ep = NULL
+        self.ep = NULL
 
     def __repr__(self) -> str:
         planes = ", ".join(hostport(a, p) for a, p in self.planes)
         return f"<mrc.Endpoint planes=[{planes}]{' closed' if self.ep == NULL else ''}>"
 
 
+@cython.no_gc_clear  # __dealloc__ frees its region inside the endpoint: the
+# collector must not drop the reference that keeps the endpoint alive until then
 cdef class MemoryRegion:
     """A registered buffer. Peers may WRITE into it (with its key, inside its bounds)
     when registered with remote_write=True."""
@@ -751,6 +789,8 @@ cdef class MemoryRegion:
     cdef c.mrc_mr *_ptr(self) except NULL:
         if self.mr == NULL:
             raise errors.UsageError("memory region is closed")
+        if _foreign(self.endpoint):
+            raise _fork_error(self.endpoint)
         return self.mr
 
     @property
@@ -766,7 +806,8 @@ cdef class MemoryRegion:
         transport no longer reads the buffer. Raises BusyError (and stays
         registered) while operations posted with it are pending: wait for them, or
         close their connection, first."""
-        if self.mr == NULL:
+        if self.mr == NULL or _foreign(self.endpoint):
+            self.mr = NULL
             self._release_view()
             return
         # With the GIL held: no post from another thread can slip in between.
@@ -790,7 +831,7 @@ cdef class MemoryRegion:
         # Every pending op holds a reference to its region (Operation.region, or
         # the endpoint's orphan list), so a region being freed is idle; should it
         # not be, the buffer is leaked rather than freed under the transport.
-        if self.mr != NULL:
+        if self.mr != NULL and not _foreign(self.endpoint):
             if c.mrc_mr_dereg(self.mr) != 0:
                 return
             self.mr = NULL
@@ -805,6 +846,8 @@ cdef class MemoryRegion:
         return f"<mrc.MemoryRegion {self.size} bytes{ro} key={key}>"
 
 
+@cython.no_gc_clear  # __dealloc__ frees its connection inside the endpoint: the
+# collector must not drop the reference that keeps the endpoint alive until then
 cdef class Connection:
     """A reliable multipath connection. Operations return an Operation to wait on."""
 
@@ -832,6 +875,8 @@ cdef class Connection:
     cdef c.mrc_conn *_ptr(self) except NULL:
         if self.conn == NULL:
             raise errors.ConnectionClosedError("connection is closed")
+        if _foreign(self.endpoint):
+            raise _fork_error(self.endpoint)
         return self.conn
 
     cdef c.mrc_conn *_enter(self) except NULL:
@@ -1049,6 +1094,9 @@ cdef class Connection:
         for u in list(users or ()):
             (<CollExecutor>u)._conn_closing()
         cdef c.mrc_conn *cp = self.conn
+        if _foreign(self.endpoint):
+            self.conn = NULL  # a forked child's copy: let go
+            cp = NULL
         if cp != NULL:
             self.conn = NULL  # before the GIL goes: no other thread may use it now
             # Busy on the endpoint too, before the GIL can go: Endpoint.close() in
@@ -1076,11 +1124,13 @@ cdef class Connection:
         self.close()
 
     def __dealloc__(self):
-        if self.conn != NULL:
+        if self.conn != NULL and not _foreign(self.endpoint):
             c.mrc_conn_destroy(self.conn)
-            self.conn = NULL
+        self.conn = NULL
 
 
+@cython.no_gc_clear  # __dealloc__ frees its operation's connection and region inside the endpoint: the
+# collector must not drop the reference that keeps the endpoint alive until then
 cdef class Operation:
     """A posted WRITE, SEND or RECV. Completes exactly once, with a status."""
 
@@ -1109,6 +1159,8 @@ cdef class Operation:
         mrc.TimeoutError if it is still pending after `timeout` seconds."""
         cdef int ms = _ms(timeout)
         cdef int rc
+        if self.connection is not None and _foreign(self.connection.endpoint):
+            raise _fork_error(self.connection.endpoint)
         # Safe after the endpoint closed: the op keeps the endpoint's core alive.
         with nogil:
             rc = c.mrc_op_wait(self.op, ms)
@@ -1147,11 +1199,16 @@ cdef class Operation:
     def __dealloc__(self):
         if self.op == NULL:
             return
+        if self.connection is not None and _foreign(self.connection.endpoint):
+            self.op = NULL  # a forked child's copy: let go
+            return
         # Dropped while pending: its region (and buffer) must outlive it, so the
         # endpoint keeps both until the op completes (Endpoint._reap).
+        # An endpoint the cyclic collector is clearing (_dropped None) goes next: its
+        # region, busy, then keeps its buffer for ever rather than free it under the op.
         ep = self.connection.endpoint if self.connection is not None else None
         if (ep is not None and not (<Endpoint>ep).closed and self.region is not None
-                and not c.mrc_op_done(self.op)):
+                and (<Endpoint>ep)._dropped is not None and not c.mrc_op_done(self.op)):
             (<Endpoint>ep)._dropped.append(_Orphan._make(self.op, self.region))
         else:
             c.mrc_op_release(self.op)
@@ -1162,6 +1219,8 @@ cdef class Operation:
         return f"<mrc.Operation {self.kind} {self.length} bytes {state}>"
 
 
+@cython.no_gc_clear  # __dealloc__ frees its region inside the endpoint: the
+# collector must not drop the reference that keeps the endpoint alive until then
 cdef class _Orphan:
     """A pending operation whose Operation was dropped, and the region it uses."""
 
@@ -1180,9 +1239,9 @@ cdef class _Orphan:
         return c.mrc_op_done(self.op) != 0
 
     def __dealloc__(self):
-        if self.op != NULL:
+        if self.op != NULL and not (self.region is not None and _foreign(self.region.endpoint)):
             c.mrc_op_release(self.op)
-            self.op = NULL
+        self.op = NULL
 
 
 cdef object _wc_dtype = None
@@ -1263,6 +1322,8 @@ cdef class CompletionQueue:
             if self.endpoint is not None and self.endpoint.closed:
                 raise errors.ConnectionClosedError("completion queue: its endpoint is closed")
             raise errors.UsageError("completion queue is closed")
+        if _foreign(self.endpoint):
+            raise _fork_error(self.endpoint)
         return self.cq
 
     cdef object _fill(self, int max, int timeout_ms, bint block):
@@ -1332,6 +1393,9 @@ cdef class CompletionQueue:
         a thread waits on it."""
         if self.cq == NULL:
             return
+        if _foreign(self.endpoint):
+            self._detach()  # a forked child's copy: let go
+            return
         if self._busy:
             raise errors.BusyError(
                 f"Failed to close the completion queue: {self._busy} thread(s) in wait()")
@@ -1364,12 +1428,15 @@ cdef class CompletionQueue:
             # the endpoint frees the queue when it closes.
 
     def __dealloc__(self):
-        if self.cq == NULL:
+        if self.cq == NULL or _foreign(self.endpoint):
             return
         if c.mrc_cq_destroy(self.cq) != 0:
             # Ops still pending: the endpoint frees the C queue when it goes, and
             # keeps the regions those ops use alive until then.
-            if self.endpoint is not None and self._regions:
+            # (An endpoint the collector is clearing has none: its busy regions then
+            # keep their buffers for ever.)
+            if (self.endpoint is not None and self._regions
+                    and self.endpoint._orphans is not None):
                 self.endpoint._orphans.append(self._regions)
         self.cq = NULL
 
@@ -1502,6 +1569,8 @@ cdef class CollExecutor:
         a.op = op
         a.sig = sig
         a.timeout_ms = _ms(timeout)
+        if _foreign(self.endpoint):  # before the lock: a thread of the parent may hold it
+            raise _fork_error(self.endpoint)
         with self._lock:
             if self._closed or self.coll == NULL:
                 return (c.MRC_EABORT, -1)
@@ -1544,7 +1613,7 @@ cdef class CollExecutor:
 
     def abort(self) -> None:
         """Any thread: the running and every later run() returns ABORTED."""
-        if self.coll != NULL:
+        if self.coll != NULL and not _foreign(self.endpoint):
             c.mrc_coll_abort(self.coll)
 
     def _conn_closing(self) -> None:
@@ -1558,14 +1627,17 @@ cdef class CollExecutor:
         return 0 if self.coll == NULL else c.mrc_coll_scratch_bytes(self.coll)
 
     def close(self) -> None:
+        if _foreign(self.endpoint):  # a forked child's copy: let go (not the lock)
+            self.coll = NULL
+            return
         self.abort()
         with self._lock:
             self._closed = True
-            if self.coll != NULL:
+            if self.coll != NULL and not _foreign(self.endpoint):
                 c.mrc_coll_destroy(self.coll)
-                self.coll = NULL
+            self.coll = NULL
 
     def __dealloc__(self):
-        if self.coll != NULL:
+        if self.coll != NULL and not _foreign(self.endpoint):
             c.mrc_coll_destroy(self.coll)
-            self.coll = NULL
+        self.coll = NULL
