@@ -231,6 +231,7 @@ COLL_STEP_SIZE: int
 COLL_REF_SIZE: int
 ABORTED: int
 MISMATCH: int
+GONE: int
 ETIMEOUT: int
 EPATHDOWN: int
 ERNR: int
@@ -240,6 +241,7 @@ def reduce_finish(acc: Any, dtype: int, op: int, n: int) -> None: ...
 
 class CollExecutor:
     endpoint: Endpoint
+    nranks: int
     def __init__(
         self,
         endpoint: Endpoint,
@@ -263,6 +265,9 @@ class CollExecutor:
         timeout: float | None,
     ) -> tuple[int, int]: ...
     def abort(self) -> None: ...
+    def peer_gone(self, peer: int, runs: int) -> None: ...
+    @property
+    def final_runs(self) -> list[int]: ...
     @property
     def scratch_bytes(self) -> int: ...
     def close(self) -> None: ...

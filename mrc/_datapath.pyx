@@ -3,6 +3,7 @@
 nothing here runs per packet."""
 
 from cpython.buffer cimport PyBUF_WRITABLE, PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.exc cimport PyErr_CheckSignals
 cimport cython
 from libc.errno cimport ETIMEDOUT
 from libc.stdint cimport uint16_t, uint32_t, uint64_t, uintptr_t
@@ -19,6 +20,7 @@ import socket
 import errno as _errno
 import struct
 import time
+import threading
 import weakref
 
 from mrc import errors
@@ -108,9 +110,13 @@ cdef int _ms(timeout) except? -2:
     """Seconds (None: forever) to the C API's milliseconds."""
     if timeout is None:
         return -1
-    if timeout < 0:
+    try:
+        t = float(timeout)
+    except (TypeError, ValueError):
+        raise errors.UsageError(f"timeout must be seconds or None, got {timeout!r}") from None
+    if not t >= 0:  # also nan
         raise errors.UsageError(f"timeout must be >= 0 seconds, got {timeout}")
-    return <int>min(timeout * 1000.0, 2**31 - 1)
+    return <int>min(t * 1000.0, 2**31 - 1)
 
 
 cdef _copy_str(char *dst, str s, int size, what):
@@ -227,8 +233,8 @@ class RemoteRegion:
     _FMT = struct.Struct("<QQ")
 
     def __init__(self, key: int, size: int) -> None:
-        self.key = key
-        self.size = size
+        self.key = _u64(key, "RemoteRegion", "key")
+        self.size = _u64(size, "RemoteRegion", "size")
 
     def pack(self) -> bytes:
         return self._FMT.pack(self.key, self.size)
@@ -260,6 +266,7 @@ cdef class Endpoint:
     cdef list _late_regions  # registered while close() ran: views released after it
     cdef int _busy         # calls running without the GIL on self.ep
     cdef unsigned long _gen  # _fork_gen when made: another is a forked child's
+    cdef bint _closing  # close() has begun
     cdef long _pid
     cdef Py_ssize_t _reap_at  # reap _dropped when this many: amortised O(1) per post
     cdef readonly tuple planes
@@ -275,10 +282,24 @@ cdef class Endpoint:
         self._busy = 0
         self._reap_at = 64
 
-    def __init__(self, planes=("127.0.0.1",), *, int port=0, int mss=8192,
-                 double timeout=5.0, int window=4096, int sockbuf=8 << 20,
-                 uint64_t max_unexpected=64 << 20, rnr_timeout=5.0):
+    def __init__(self, planes=("127.0.0.1",), *, port=0, mss=8192,
+                 timeout=5.0, window=4096, sockbuf=8 << 20,
+                 max_unexpected=64 << 20, rnr_timeout=5.0):
         cdef c.mrc_ep_config cfg
+        port = _u64(port, "Endpoint", "port")
+        mss = _u64(mss, "Endpoint", "mss")
+        window = _u64(window, "Endpoint", "window")
+        sockbuf = _u64(sockbuf, "Endpoint", "sockbuf")
+        max_unexpected = _u64(max_unexpected, "Endpoint", "max_unexpected")
+        if not 0 <= sockbuf < 2**31:
+            raise errors.UsageError(f"sockbuf must be 0 (8 MiB)..2^31-1 bytes, got {sockbuf}")
+        try:
+            timeout = float(timeout)
+            rnr_timeout = None if rnr_timeout is None else float(rnr_timeout)
+        except (TypeError, ValueError):
+            raise errors.UsageError(
+                f"timeout and rnr_timeout must be seconds, got {timeout!r}, {rnr_timeout!r}"
+            ) from None
         planes = [planes] if isinstance(planes, str) else list(planes)
         if not 1 <= len(planes) <= c.MRC_MAX_PLANES:
             raise errors.UsageError(
@@ -416,6 +437,9 @@ cdef class Endpoint:
             conn._leave()
         if rc:
             conn.close()
+            if rc == c.MRC_ECLOSED and self._closing:
+                raise errors.ConnectionClosedError(
+                    f"connect to {addr} port {port}: the endpoint was closed meanwhile")
             raise _connect_error(rc, addr, addrs, port, timeout,
                                  [errs[i] for i in range(n)])
         return conn
@@ -440,6 +464,7 @@ cdef class Endpoint:
         dropped = []
         while True:
             ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            ms = _SLICE_MS if ms < 0 or ms > _SLICE_MS else ms  # Ctrl-C between slices
             # close() from another thread stops the listener (mrc_ep_unlisten: the
             # accept returns ECLOSED) and waits for this call to leave.
             conn = None
@@ -453,6 +478,9 @@ cdef class Endpoint:
                     conn = Connection._wrap(self, cp)
             finally:
                 self._leave()
+            if rc == c.MRC_ETIMEOUT and (deadline is None or time.monotonic() < deadline):
+                PyErr_CheckSignals()
+                continue  # a slice
             if rc == c.MRC_ETIMEOUT:
                 # Not dropped[-1]: this module is compiled with wraparound=False, where
                 # a negative index reads outside the list.
@@ -503,15 +531,21 @@ cdef class Endpoint:
         until closed."""
         return MemoryRegion._make(self, obj, remote_write, 0, 0)
 
-    def register_address(self, uintptr_t address, uint64_t length, owner, *,
+    def register_address(self, address, length, owner, *,
                          bint remote_write=False, bint readonly=False) -> MemoryRegion:
         """Register `length` bytes of raw memory at `address` (a torch tensor's
         data_ptr(), a DLPack capsule's data, pinned host memory...). `owner` is kept
         referenced until the region is closed: it must keep the memory alive and
         in place. readonly=True: the memory is only read (a SEND or WRITE
         source; RECVs into it are refused)."""
+        address = _u64(address, "register_address", "address")
+        length = _u64(length, "register_address", "length")
         if address == 0 and length:
             raise errors.UsageError(f"register_address: address 0 with length {length}")
+        if address + length > 2**64:  # uintptr_t is 64 bits wherever mrc builds
+            raise errors.UsageError(
+                f"register_address: {length} bytes at {address:#x} run past the end of "
+                "the address space")
         if remote_write and readonly:
             raise errors.UsageError("register_address: a readonly region cannot allow "
                                     "remote_write")
@@ -614,6 +648,7 @@ cdef class Endpoint:
         `mrc-route live`). Returns the server; it stops when closed or when the
         endpoint closes."""
         from mrc.telemetry import StatsServer
+        self._ptr()  # a closed endpoint serves nothing
         srv = StatsServer(self, path)
         self._children.add(srv)
         return srv
@@ -647,6 +682,10 @@ cdef class Endpoint:
         if _foreign(self):  # a forked child: let go, the parent's copy is not ours
             self.ep = NULL
             return
+        # First: a connect() or accept() under way ends (ConnectionClosedError) within
+        # a slice, so the connection close() waits for below is let go of.
+        self._closing = True
+        c.mrc_ep_unlisten(self.ep)
         children = list(self._children)
         cqs = [x for x in children if isinstance(x, CompletionQueue)]
         for q in cqs:
@@ -665,7 +704,6 @@ cdef class Endpoint:
             (<MemoryRegion>mr)._abandon()  # freed by mrc_ep_destroy, after every op
         cdef c.mrc_ep *ep = self.ep
         self.ep = NULL  # no new call from here on
-        c.mrc_ep_unlisten(ep)  # a blocked accept() returns
         _wait_idle(self, "endpoint")
         for child in list(self._children):  # made by calls that were inside
             if isinstance(child, Connection):
@@ -947,7 +985,7 @@ cdef class Connection:
         return None
 
     def write(self, MemoryRegion local, remote, *, offset=0, length=None,
-              remote_offset=0, imm=None, cq=None, uint64_t ctx=0):
+              remote_offset=0, imm=None, cq=None, ctx=0):
         """RDMA WRITE local[offset:offset+length] to remote[remote_offset:...]. With
         `imm`, the peer's wait_imm() returns it once every byte is in place.
         With `cq`, the completion goes to that CompletionQueue with `ctx` and
@@ -973,10 +1011,10 @@ cdef class Connection:
                 raise errors.UsageError(f"write: imm must be a 32-bit unsigned value, got {imm}")
             wr.imm = imm
             wr.flags = c.MRC_WRITE_IMM
-        return self._post(&wr, local, n, cq, ctx, "write")
+        return self._post(&wr, local, n, cq, _u64(ctx, "write", "ctx"), "write")
 
     def send(self, MemoryRegion local, *, offset=0, length=None,
-             tag=0, cq=None, uint64_t ctx=0):
+             tag=0, cq=None, ctx=0):
         """Two-sided SEND of local[offset:offset+length], matched by tag at the peer.
         `cq`, `ctx`: as for write()."""
         cdef uint64_t n = self._span(local, offset, length, "send")
@@ -987,10 +1025,10 @@ cdef class Connection:
         wr.loff = offset
         wr.len = n
         wr.tag = tag
-        return self._post(&wr, local, n, cq, ctx, "send")
+        return self._post(&wr, local, n, cq, _u64(ctx, "send", "ctx"), "send")
 
     def recv(self, MemoryRegion local, *, offset=0, length=None,
-             tag=None, cq=None, uint64_t ctx=0):
+             tag=None, cq=None, ctx=0):
         """Post a receive buffer for the next SEND with `tag` (None: any tag).
         `cq`, `ctx`: as for write()."""
         cdef uint64_t n = self._span(local, offset, length, "recv")
@@ -1001,9 +1039,9 @@ cdef class Connection:
         wr.loff = offset
         wr.len = n
         wr.tag = c.MRC_TAG_ANY if tag is None else tag
-        return self._post(&wr, local, n, cq, ctx, "recv")
+        return self._post(&wr, local, n, cq, _u64(ctx, "recv", "ctx"), "recv")
 
-    def set_cq(self, cq, uint64_t ctx=0) -> None:
+    def set_cq(self, cq, ctx=0) -> None:
         """Deliver this connection's immediates (WRITE with imm from the peer) to
         `cq` as IMM entries carrying `ctx`, instead of to wait_imm(). None unbinds.
         Immediates already waiting move to the CQ."""
@@ -1017,7 +1055,8 @@ cdef class Connection:
             if q.endpoint is not self.endpoint:
                 raise errors.UsageError("set_cq: the completion queue belongs to another endpoint")
             qp = q._ptr()
-        check(c.mrc_conn_set_cq(self._ptr(), qp, ctx), "Failed to bind a completion queue")
+        check(c.mrc_conn_set_cq(self._ptr(), qp, _u64(ctx, "set_cq", "ctx")),
+              "Failed to bind a completion queue")
         if self._cq is not None:
             (<CompletionQueue>self._cq)._bound.discard(self)
         self._cq = q
@@ -1049,6 +1088,7 @@ cdef class Connection:
                 self._leave()
             if rc != -ETIMEDOUT or (deadline is not None and time.monotonic() >= deadline):
                 break
+            PyErr_CheckSignals()  # Ctrl-C
         if rc == -ETIMEDOUT:  # nothing yet: retryable
             raise errors.WaitTimeout(f"no immediate arrived within {timeout} s")
         check(rc, "Failed to wait for an immediate")
@@ -1158,12 +1198,21 @@ cdef class Operation:
         """Wait for completion (None: forever). Raises the operation's error, or
         mrc.TimeoutError if it is still pending after `timeout` seconds."""
         cdef int ms = _ms(timeout)
-        cdef int rc
+        cdef int rc, slice_ms
         if self.connection is not None and _foreign(self.connection.endpoint):
             raise _fork_error(self.connection.endpoint)
         # Safe after the endpoint closed: the op keeps the endpoint's core alive.
-        with nogil:
-            rc = c.mrc_op_wait(self.op, ms)
+        # In slices past the first, so that Ctrl-C (a signal handler) gets its turn.
+        deadline = None if ms < 0 else time.monotonic() + ms / 1000.0
+        slice_ms = ms if 0 <= ms <= _SLICE_MS else _SLICE_MS
+        while True:
+            with nogil:
+                rc = c.mrc_op_wait(self.op, slice_ms)
+            if not rc or (deadline is not None and time.monotonic() >= deadline):
+                break
+            PyErr_CheckSignals()
+            if deadline is not None:
+                slice_ms = max(0, min(_SLICE_MS, <int>((deadline - time.monotonic()) * 1000)))
         if rc:
             raise errors.WaitTimeout(
                 f"{self.kind} of {self.length} bytes still pending after {timeout} s "
@@ -1326,6 +1375,20 @@ cdef class CompletionQueue:
             raise _fork_error(self.endpoint)
         return self.cq
 
+    cdef int _wait(self, c.mrc_cq *q, c.mrc_wc *wc, int nmax, int timeout_ms) except? -9999:
+        """mrc_cq_wait in slices past the first, so that Ctrl-C gets its turn."""
+        cdef int n
+        cdef int slice_ms = timeout_ms if 0 <= timeout_ms <= _SLICE_MS else _SLICE_MS
+        deadline = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000.0
+        while True:
+            with nogil:
+                n = c.mrc_cq_wait(q, wc, nmax, slice_ms)
+            if n != -ETIMEDOUT or (deadline is not None and time.monotonic() >= deadline):
+                return n
+            PyErr_CheckSignals()
+            if deadline is not None:
+                slice_ms = max(0, min(_SLICE_MS, <int>((deadline - time.monotonic()) * 1000)))
+
     cdef object _fill(self, int max, int timeout_ms, bint block):
         if max < 1:
             raise errors.UsageError(f"max must be >= 1 completion, got {max}")
@@ -1341,9 +1404,10 @@ cdef class CompletionQueue:
         try:
             if block:
                 self._busy += 1
-                with nogil:
-                    n = c.mrc_cq_wait(q, wc, max, timeout_ms)
-                self._busy -= 1
+                try:
+                    n = self._wait(q, wc, max, timeout_ms)
+                finally:
+                    self._busy -= 1
             else:
                 n = c.mrc_cq_poll(q, wc, max)
             if n == -ETIMEDOUT or n == 0:
@@ -1450,6 +1514,7 @@ COLL_STEP_SIZE = sizeof(c.mrc_coll_step)
 COLL_REF_SIZE = sizeof(c.mrc_coll_ref)
 ABORTED = c.MRC_EABORT
 MISMATCH = c.MRC_EMISMATCH
+GONE = c.MRC_EGONE
 ETIMEOUT = c.MRC_ETIMEOUT
 EPATHDOWN = c.MRC_EPATHDOWN
 ERNR = c.MRC_ERNR
@@ -1478,6 +1543,11 @@ def reduce_finish(acc, int dtype, int op, int n) -> None:
     check(c.mrc_reduce_finish(&a[0] if count else NULL, count, dtype, op, n), "reduce_finish")
 
 
+cdef int _coll_interrupted(void *arg) noexcept nogil:
+    with gil:
+        return (<CollExecutor>arg)._ask_signals()
+
+
 @cython.no_gc_clear  # __dealloc__ needs its endpoint alive
 cdef class CollExecutor:
     """The C executor of collective schedules for one rank (src_c/coll.c): run()
@@ -1493,6 +1563,9 @@ cdef class CollExecutor:
     cdef list _peers
     cdef object _lock  # held by run(); close() takes it, so it waits for a run
     cdef bint _closed
+    cdef object _interrupt  # what a signal handler raised during run() (Ctrl-C)
+    cdef list _final_runs
+    cdef readonly int nranks
 
     def __cinit__(self):
         self.coll = NULL
@@ -1506,6 +1579,8 @@ cdef class CollExecutor:
         peers = list(peers)
         if len(peers) != nranks:
             raise errors.UsageError(f"{nranks} ranks need {nranks} peers entries, got {len(peers)}")
+        self.nranks = nranks
+        self._final_runs = []
         if chunk_bytes % 8:
             raise errors.UsageError(f"chunk_bytes must be a multiple of 8, got {chunk_bytes}")
         cdef c.mrc_conn **ptrs = <c.mrc_conn **>malloc(max(nranks, 1) * sizeof(c.mrc_conn *))
@@ -1585,6 +1660,11 @@ cdef class CollExecutor:
                     has_r = True
                     a.recv = rv.buf
                     a.recv_len = rv.len
+                # On the main thread a signal handler (Ctrl-C) gets its turn while
+                # the run waits; what it raises ends the run and is raised here.
+                if threading.current_thread() is threading.main_thread():
+                    a.interrupted = _coll_interrupted
+                    a.interrupt_arg = <void *>self
                 with nogil:
                     rc = c.mrc_coll_run(self.coll, &plan, &a, &failed)
                 if rc and rc != c.MRC_EUSAGE:
@@ -1594,7 +1674,18 @@ cdef class CollExecutor:
                     PyBuffer_Release(&sv)
                 if has_r:
                     PyBuffer_Release(&rv)
+            if self._interrupt is not None:
+                exc, self._interrupt = self._interrupt, None
+                raise exc
         return (rc, failed)
+
+    cdef int _ask_signals(self) noexcept:
+        try:
+            PyErr_CheckSignals()
+        except BaseException as e:
+            self._interrupt = e
+            return 1
+        return 0
 
     cdef _fail(self):
         """After a failed run: close the peers' connections so that what is still
@@ -1616,6 +1707,17 @@ cdef class CollExecutor:
         if self.coll != NULL and not _foreign(self.endpoint):
             c.mrc_coll_abort(self.coll)
 
+    def peer_gone(self, int peer, uint32_t runs) -> None:
+        """Any thread: `peer` closed after `runs` runs with this rank; a run it never
+        made fails (GONE) when it waits on it, instead of at the timeout."""
+        if self.coll != NULL and not _foreign(self.endpoint):
+            check(c.mrc_coll_peer_gone(self.coll, peer, runs), "peer_gone")
+
+    @property
+    def final_runs(self) -> list:
+        """Runs completed with each peer, as close() left them ([] before)."""
+        return self._final_runs
+
     def _conn_closing(self) -> None:
         """A peer connection is about to be freed: end any run, then retire."""
         self.abort()
@@ -1634,6 +1736,7 @@ cdef class CollExecutor:
         with self._lock:
             self._closed = True
             if self.coll != NULL and not _foreign(self.endpoint):
+                self._final_runs = [c.mrc_coll_runs(self.coll, p) for p in range(self.nranks)]
                 c.mrc_coll_destroy(self.coll)
             self.coll = NULL
 

@@ -28,6 +28,7 @@ cdef extern from "mrc.h" nogil:
         MRC_ERNR
         MRC_EABORT
         MRC_EMISMATCH
+        MRC_EGONE
         MRC_OP_WRITE
         MRC_OP_SEND
         MRC_OP_RECV
@@ -208,6 +209,8 @@ cdef extern from "mrc.h" nogil:
         int dtype, op
         uint32_t sig
         int timeout_ms
+        int (*interrupted)(void *arg) noexcept nogil
+        void *interrupt_arg
     struct mrc_coll_config:
         int rank, nranks
         mrc_conn **peers
@@ -221,6 +224,8 @@ cdef extern from "mrc.h" nogil:
     int mrc_coll_run(mrc_coll *c, const mrc_coll_plan *plan, const mrc_coll_args *a,
                      int *failed_peer)
     void mrc_coll_abort(mrc_coll *c)
+    uint32_t mrc_coll_runs(const mrc_coll *c, int peer)
+    int mrc_coll_peer_gone(mrc_coll *c, int peer, uint32_t runs)
     int mrc_coll_drain(mrc_coll *c, int timeout_ms)
     uint64_t mrc_coll_scratch_bytes(const mrc_coll *c)
     void mrc_coll_destroy(mrc_coll *c)

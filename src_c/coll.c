@@ -35,6 +35,7 @@
 #define DEFAULT_CHUNK (256u << 10)
 #define DEFAULT_SLOTS 4
 #define WAIT_SLICE_MS 10 /* how often a waiting run looks at the abort flag */
+#define INTERRUPT_ASK_MS 100 /* and at most how often it asks a->interrupted */
 #define WC_BATCH 64
 /* Calls whose buffers fit go through a region registered once: registering
  * the caller's buffers costs four round trips to the progress thread, which
@@ -79,6 +80,9 @@ struct mrc_coll {
     int rank, nranks;
     mrc_conn **peers;
     uint32_t *seq;          /* collectives run with each peer (tag field) */
+    /* per peer: -1, or the runs it had made with us when it closed
+     * (mrc_coll_peer_gone, from another thread) */
+    _Atomic int64_t *gone_after;
     uint64_t chunk;
     int slots, window;
     uint32_t busy_poll_us;  /* small (bounced) runs: this long of mrc_ep_busy_poll, or
@@ -125,6 +129,7 @@ struct run {
     mrc_coll *c;
     const struct mrc_coll_plan *p;
     const struct mrc_coll_args *a;
+    uint64_t asked_ms; /* when a->interrupted was last asked */
     struct step_rt *st;
     struct ring_rt *rings;
     uint32_t *consumer_pool;
@@ -182,10 +187,13 @@ int mrc_coll_create(mrc_ep *ep, const struct mrc_coll_config *cfg, mrc_coll **ou
     atomic_init(&c->aborted, 0);
     c->peers = calloc((size_t)c->nranks, sizeof(*c->peers));
     c->seq = calloc((size_t)c->nranks, sizeof(*c->seq));
+    c->gone_after = calloc((size_t)c->nranks, sizeof(*c->gone_after));
     c->tmp = malloc(c->chunk);
     int rc = -ENOMEM;
-    if (!c->peers || !c->seq || !c->tmp)
+    if (!c->peers || !c->seq || !c->gone_after || !c->tmp)
         goto free_c;
+    for (int i = 0; i < c->nranks; i++)
+        atomic_init(&c->gone_after[i], -1);
     if (cfg->nranks > 1)
         memcpy(c->peers, cfg->peers, (size_t)c->nranks * sizeof(*c->peers));
     rc = mrc_cq_create(ep, &c->cq);
@@ -200,6 +208,7 @@ int mrc_coll_create(mrc_ep *ep, const struct mrc_coll_config *cfg, mrc_coll **ou
     return 0;
 free_c:
     free(c->tmp);
+    free(c->gone_after);
     free(c->seq);
     free(c->peers);
     free(c);
@@ -207,6 +216,20 @@ free_c:
 }
 
 void mrc_coll_abort(mrc_coll *c) { atomic_store(&c->aborted, 1); }
+
+uint32_t mrc_coll_runs(const mrc_coll *c, int peer)
+{
+    return c && peer >= 0 && peer < c->nranks ? c->seq[peer] : 0;
+}
+
+int mrc_coll_peer_gone(mrc_coll *c, int peer, uint32_t runs)
+{
+    if (!c || peer < 0 || peer >= c->nranks || peer == c->rank)
+        return MRC_EUSAGE;
+    atomic_store(&c->gone_after[peer], (int64_t)runs);
+    return 0;
+}
+
 
 uint64_t mrc_coll_scratch_bytes(const mrc_coll *c) { return c->scratch_len; }
 
@@ -273,6 +296,7 @@ void mrc_coll_destroy(mrc_coll *c)
         mrc_cq_destroy(c->bg);
     }
     free(c->tmp);
+    free(c->gone_after);
     free(c->seq);
     free(c->peers);
     free(c);
@@ -765,6 +789,21 @@ static int waited_peer(const struct run *r)
     return -1;
 }
 
+/* The peer this run waits on closed before making it: every run with it
+ * that it made (gone_after) this rank has completed (seq), so what it waits
+ * for can never come. */
+static bool waits_on_gone(const struct run *r, int *peer)
+{
+    int w = waited_peer(r);
+    if (w < 0)
+        return false;
+    int64_t after = atomic_load(&r->c->gone_after[w]);
+    if (after < 0 || (int64_t)r->c->seq[w] < after)
+        return false;
+    *peer = w;
+    return true;
+}
+
 /* How many completions to sleep for: once every transfer of the run is
  * posted nothing new can be posted, so one wake-up for all of them (what is
  * left to do, the local steps, runs right after) instead of one per
@@ -893,6 +932,12 @@ static int main_loop(struct run *r)
         } else if (r->a->timeout_ms >= 0 && now_ms() - last > (uint64_t)r->a->timeout_ms) {
             r->rc = MRC_ETIMEOUT;
             r->failed_peer = waited_peer(r);
+        } else if (waits_on_gone(r, &r->failed_peer)) {
+            r->rc = MRC_EGONE;
+        } else if (r->a->interrupted && now_ms() - r->asked_ms >= INTERRUPT_ASK_MS) {
+            r->asked_ms = now_ms();
+            if (r->a->interrupted(r->a->interrupt_arg))
+                r->rc = MRC_EABORT;
         }
     }
     hold_end(r, true);
@@ -1083,7 +1128,7 @@ int mrc_coll_run(mrc_coll *c, const struct mrc_coll_plan *p, const struct mrc_co
         c->late_rc = 0;
         return late;
     }
-    struct run r = {.c = c, .p = p, .a = a, .failed_peer = -1};
+    struct run r = {.c = c, .p = p, .a = a, .failed_peer = -1, .asked_ms = now_ms()};
     r.esize = mrc_dtype_size(a->dtype);
     if (!r.esize || a->op < 0 || a->op >= MRC_NREDOPS)
         return MRC_EUSAGE;

@@ -50,14 +50,24 @@ struct hello {
 };
 static_assert(sizeof(struct hello) == 88 + 20 * MRC_MAX_PLANES, "hello layout");
 
-static int io_wait(int fd, short events, uint64_t deadline)
+#define CLOSE_SLICE_NS 50000000ull /* a set-up looks for the endpoint closing this often */
+
+static bool setup_closing(mrc_ep *ep)
+{
+    return atomic_load_explicit(&ep->setup_closing, memory_order_acquire);
+}
+
+static int io_wait(mrc_ep *ep, int fd, short events, uint64_t deadline)
 {
     for (;;) {
         uint64_t now = now_ns();
+        if (setup_closing(ep))
+            return MRC_ECLOSED;
         if (now >= deadline)
             return MRC_ETIMEOUT;
+        uint64_t wait = deadline - now < CLOSE_SLICE_NS ? deadline - now : CLOSE_SLICE_NS;
         struct pollfd p = {.fd = fd, .events = events};
-        int n = poll(&p, 1, (int)((deadline - now) / 1000000ull) + 1);
+        int n = poll(&p, 1, (int)(wait / 1000000ull) + 1);
         if (n > 0)
             return 0;
         if (n < 0 && errno != EINTR)
@@ -65,11 +75,11 @@ static int io_wait(int fd, short events, uint64_t deadline)
     }
 }
 
-static int io_all(int fd, void *buf, size_t len, bool wr, uint64_t deadline)
+static int io_all(mrc_ep *ep, int fd, void *buf, size_t len, bool wr, uint64_t deadline)
 {
     uint8_t *b = buf;
     while (len) {
-        int rc = io_wait(fd, wr ? POLLOUT : POLLIN, deadline);
+        int rc = io_wait(ep, fd, wr ? POLLOUT : POLLIN, deadline);
         if (rc)
             return rc;
         ssize_t n = wr ? send(fd, b, len, MSG_NOSIGNAL | MSG_DONTWAIT)
@@ -232,14 +242,14 @@ static void sa_set_port(struct sockaddr_storage *sa, uint16_t port)
 /* Reads the peer's hello, its magic first: a peer that speaks another
  * protocol (an SSH banner, an HTTP error page) is told apart at once instead
  * of after the timeout. */
-static int hello_read(int fd, struct hello *h, uint64_t deadline)
+static int hello_read(mrc_ep *ep, int fd, struct hello *h, uint64_t deadline)
 {
-    int rc = io_all(fd, h, sizeof(h->magic), false, deadline);
+    int rc = io_all(ep, fd, h, sizeof(h->magic), false, deadline);
     if (rc)
         return rc;
     if (h->magic != HELLO_MAGIC)
         return MRC_ENOTMRC;
-    return io_all(fd, (uint8_t *)h + sizeof(h->magic), sizeof(*h) - sizeof(h->magic), false,
+    return io_all(ep, fd, (uint8_t *)h + sizeof(h->magic), sizeof(*h) - sizeof(h->magic), false,
                   deadline);
 }
 
@@ -249,8 +259,8 @@ static int hello_read(int fd, struct hello *h, uint64_t deadline)
  * is left to the kernel, which picks the interface that routes to that
  * destination: binding plane 0's address would send every attempt through
  * plane 0, down or not. */
-static int connect_race(const struct sockaddr_storage *sa, const socklen_t *sl, int n,
-                        unsigned mask, uint64_t dl, int *errs, int *win)
+static int connect_race(mrc_ep *ep, const struct sockaddr_storage *sa, const socklen_t *sl,
+                        int n, unsigned mask, uint64_t dl, int *errs, int *win)
 {
     int fds[MRC_MAX_PLANES];
     int live = 0;
@@ -274,7 +284,7 @@ static int connect_race(const struct sockaddr_storage *sa, const socklen_t *sl, 
     }
     while (live && *win < 0) {
         uint64_t now = now_ns();
-        if (now >= dl)
+        if (now >= dl || setup_closing(ep))
             break;
         struct pollfd pf[MRC_MAX_PLANES];
         int idx[MRC_MAX_PLANES], np = 0;
@@ -283,7 +293,8 @@ static int connect_race(const struct sockaddr_storage *sa, const socklen_t *sl, 
                 pf[np] = (struct pollfd){.fd = fds[i], .events = POLLOUT};
                 idx[np++] = i;
             }
-        int r = poll(pf, (nfds_t)np, (int)((dl - now + 999999) / 1000000ull));
+        uint64_t wait = dl - now < CLOSE_SLICE_NS ? dl - now : CLOSE_SLICE_NS;
+        int r = poll(pf, (nfds_t)np, (int)((wait + 999999) / 1000000ull));
         if (r < 0 && errno != EINTR) {
             for (int k = 0; k < np; k++)
                 errs[idx[k]] = -errno;
@@ -343,7 +354,8 @@ static int hello_exchange(mrc_conn *c, int fd, uint64_t adl, uint64_t dl, bool *
     hello_fill(c, &mine);
     int rc;
     *activated = false;
-    if ((rc = io_all(fd, &mine, sizeof(mine), true, adl)) || (rc = hello_read(fd, &theirs, adl)))
+    if ((rc = io_all(c->ep, fd, &mine, sizeof(mine), true, adl)) ||
+        (rc = hello_read(c->ep, fd, &theirs, adl)))
         return rc;
     /* An echo service returns our own hello. */
     if (theirs.conn_id == mine.conn_id && theirs.init_psn == mine.init_psn)
@@ -362,7 +374,7 @@ static int hello_exchange(mrc_conn *c, int fd, uint64_t adl, uint64_t dl, bool *
      * that its next walk (a link event) never left, every later ep_ctl
      * waiting on it (test_setup's burst while a plane flaps, CI at d337e9b). */
     uint8_t ready = READY_BYTE;
-    rc = io_all(fd, &ready, 1, true, dl);
+    rc = io_all(c->ep, fd, &ready, 1, true, dl);
     return rc == MRC_ECLOSED ? -EPIPE : rc;
 }
 
@@ -395,14 +407,18 @@ int mrc_conn_connect_any(mrc_conn *c, const char *const *addrs, int naddrs, uint
      * the others fail. */
     for (;;) {
         uint64_t now = now_ns();
+        if (setup_closing(c->ep))
+            return MRC_ECLOSED;
         if (now >= dl)
             return rc;
         uint64_t adl = dl - now > share ? now + share : dl;
         int win = -1, fd = -1;
         if (stalled != all)
-            fd = connect_race(sa, sl, naddrs, all & ~stalled, adl, errs, &win);
+            fd = connect_race(c->ep, sa, sl, naddrs, all & ~stalled, adl, errs, &win);
         if (fd < 0 && stalled)
-            fd = connect_race(sa, sl, naddrs, stalled, adl, errs, &win);
+            fd = connect_race(c->ep, sa, sl, naddrs, stalled, adl, errs, &win);
+        if (fd < 0 && setup_closing(c->ep))
+            return MRC_ECLOSED;
         if (fd < 0) {
             rc = MRC_EUNREACH;
             bool again = false;
@@ -703,6 +719,7 @@ int mrc_ep_accepts_active(mrc_ep *ep)
  * ones find no listener. The sockets go with mrc_ep_destroy. */
 int mrc_ep_unlisten(mrc_ep *ep)
 {
+    atomic_store_explicit(&ep->setup_closing, true, memory_order_release);
     pthread_mutex_lock(&ep->lock);
     if (ep->hs)
         ep->hs->closing = true;
@@ -772,7 +789,8 @@ static int ready_wait(mrc_conn *c, uint64_t dl)
         uint64_t now = now_ns();
         if (now >= dl)
             return MRC_ETIMEOUT;
-        int rc = io_wait(c->hs_fd, POLLIN, dl - now > READY_SLICE_NS ? now + READY_SLICE_NS : dl);
+        int rc = io_wait(c->ep, c->hs_fd, POLLIN,
+                         dl - now > READY_SLICE_NS ? now + READY_SLICE_NS : dl);
         if (rc == MRC_ETIMEOUT)
             continue; /* a slice: look at the datapath again */
         if (rc)
@@ -801,7 +819,7 @@ int mrc_conn_establish(mrc_conn *c, int timeout_ms)
         return rc;
     struct hello mine;
     hello_fill(c, &mine);
-    if (!(rc = io_all(c->hs_fd, &mine, sizeof(mine), true, dl)))
+    if (!(rc = io_all(c->ep, c->hs_fd, &mine, sizeof(mine), true, dl)))
         rc = ready_wait(c, dl);
     close(c->hs_fd);
     c->hs_fd = -1;

@@ -439,6 +439,10 @@ struct mrc_ep {
     mrc_mr *own_mrs, *own_mrs_tail;
     mrc_cq *own_cqs, *own_cqs_tail;
     struct hs_state *hs; /* [lock] listeners and pending hellos (handshake.c) */
+    /* mrc_ep_unlisten: the endpoint is closing, so set-ups under way (connect,
+     * accept, the hello) end with MRC_ECLOSED within a slice instead of waiting
+     * out their timeout with close() waiting on them. */
+    atomic_bool setup_closing;
 
     /* progress thread, or a caller holding the progress: under turn_lock */
     pthread_mutex_t turn_lock;

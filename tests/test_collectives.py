@@ -444,8 +444,15 @@ def test_bad_arguments_are_named() -> None:
             rk.all_reduce(np.ones(4, np.float32), np.ones(4, np.float64))
         with pytest.raises(UsageError, match="op must be one of"):
             rk.all_reduce(np.ones(4, np.float32), op="xor")
-        with pytest.raises(UsageError, match="root 5 out of range"):
+        with pytest.raises(UsageError, match="root must be a rank 0..1, got 5"):
             rk.broadcast(np.ones(4, np.float32), root=5)
+        for bad in (0.5, "0", True):  # before anything is sent: the communicator lives on
+            with pytest.raises(UsageError, match=f"got {bad!r}"):
+                rk.reduce(np.ones(4, np.float32), root=bad)
+        with pytest.raises(UsageError, match="peer 1.0 must be another rank"):
+            rk.send(np.ones(4, np.float32), 1.0)
+        with pytest.raises(UsageError, match="shares must be finite"):
+            rk.all_reduce(np.ones(4, np.float32), shares=[float("nan"), 1.0])
         with pytest.raises(UsageError, match="C-contiguous"):
             rk.all_reduce(np.ones((4, 4), np.float32)[:, 0])
         with pytest.raises(UsageError, match="read-only"):

@@ -637,7 +637,7 @@ def _joined_pair(timeout: float) -> tuple[rendezvous.RendezvousServer, list[Any]
     events: list[Any] = []
     for c in clients:
         c.start_monitor(
-            lambda rank, msg: events.append((rank, msg)), lambda rank: None, lambda: None
+            lambda rank, msg: events.append((rank, msg)), lambda rank, runs: None, lambda: None
         )
     return server, clients, events
 
@@ -706,7 +706,7 @@ def test_a_server_outside_rank_0_listens_on_rank_0s_planes() -> None:
         for t in joins:
             t.join(timeout)
         for c in clients:
-            c.start_monitor(lambda rank, msg: None, lambda rank: None, lambda: None)
+            c.start_monitor(lambda rank, msg: None, lambda rank, runs: None, lambda: None)
         # 127.0.0.1 is the join's own; 192.0.2.1 is not this host's: left out
         assert [a for a, _ in server._links] == ["127.0.0.3"]
         assert _until(lambda: all(len(_links_to(c, "127.0.0.3")) == 1 for c in clients), 5)

@@ -100,3 +100,180 @@ FORK = """
 def test_a_forked_child_cannot_use_its_parents_endpoint_and_exits() -> None:
     code = "import sys; sys.path.insert(0, 'tests')\n" + textwrap.dedent(FORK)
     assert "parent ok" in script(code).stdout
+
+
+# Ctrl-C: SIGINT arrives 0.3 s into a wait that would otherwise last for ever (or for the
+# communicator's timeout); KeyboardInterrupt must come within a slice of it.
+SIGINT = """
+    import os, signal, sys, threading, time
+    import numpy as np, mrc
+    sys.path.insert(0, "tests")
+    from helpers import connected_pair
+    from concurrent.futures import ThreadPoolExecutor
+
+    def interrupted(name, call):
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        try:
+            call()
+        except KeyboardInterrupt:
+            took = time.monotonic() - t0
+            assert took < 2.0, (name, took)
+            print(name, "interrupted", flush=True)
+            return
+        raise AssertionError(f"{name}: returned without KeyboardInterrupt")
+
+    with connected_pair(1) as p:
+        mr = p.b.register(np.zeros(64, np.uint8))
+        interrupted("wait", lambda: p.cb.recv(mr).wait(None))
+        interrupted("wait_imm", lambda: p.cb.wait_imm(None))
+        interrupted("cq", lambda: p.a.create_cq().wait(None))
+        p.b.listen()
+        interrupted("accept", lambda: p.b.accept(timeout=None))
+    uid = mrc.get_unique_id()
+    with ThreadPoolExecutor(2) as ex:
+        c0, c1 = [f.result() for f in
+                  [ex.submit(mrc.Communicator, r, 2, uid, planes=1, timeout=60) for r in (0, 1)]]
+    # rank 1 never joins: the all_reduce waits for it
+    interrupted("all_reduce", lambda: c0.all_reduce(np.ones(16, np.float32)))
+    try:
+        c0.all_reduce(np.ones(16, np.float32))
+        raise AssertionError("the communicator went on after an interrupted collective")
+    except mrc.CollectiveError as e:
+        assert "interrupted (KeyboardInterrupt)" in str(e), e
+    c0.abort(); c1.abort()
+    with ThreadPoolExecutor(2) as ex:
+        list(ex.map(lambda c: c.close(), (c0, c1)))
+    print("done")
+"""
+
+
+def test_ctrl_c_ends_every_blocking_wait() -> None:
+    out = script(SIGINT).stdout
+    for name in ("wait", "wait_imm", "cq", "accept", "all_reduce"):
+        assert f"{name} interrupted" in out, out
+    assert "done" in out
+
+
+def test_close_ends_a_connect_under_way() -> None:
+    """A connect() in its hello exchange with a listener that never answers: close()
+    from another thread ends it with ConnectionClosedError, and returns at once."""
+    code = """
+        import socket, threading, time, mrc
+        mute = socket.create_server(("127.0.9.7", 0))  # a TCP listener that never greets
+        port = mute.getsockname()[1]
+        ep = mrc.Endpoint(["127.0.9.8"])
+        got = {}
+        def go():
+            try:
+                ep.connect("127.0.9.7", port, timeout=None)
+            except Exception as e:
+                got["e"] = e
+        t = threading.Thread(target=go)
+        t.start()
+        conn, _ = mute.accept()  # the connect is under way: its TCP connection is here
+        t0 = time.monotonic()
+        ep.close()
+        took = time.monotonic() - t0
+        t.join(10)
+        assert not t.is_alive() and took < 2.0, took
+        assert isinstance(got.get("e"), mrc.ConnectionClosedError), got
+        assert "closed meanwhile" in str(got["e"]), got
+        print("ok")
+    """
+    assert "ok" in script(code).stdout
+
+
+def test_a_rank_that_closes_early_fails_its_peers_call_at_once() -> None:
+    """Rank 0 makes 3 all_reduces and closes; rank 1 calls a 4th, which rank 0 never
+    makes: it fails at once naming rank 0, not at the 30 s timeout, and rank 0's close()
+    (waiting for every rank to close or fail) returns then too."""
+    code = """
+        import time, numpy as np, mrc
+        from concurrent.futures import ThreadPoolExecutor
+        uid = mrc.get_unique_id()
+        with ThreadPoolExecutor(2) as ex:
+            comms = [f.result() for f in
+                     [ex.submit(mrc.Communicator, r, 2, uid, planes=1, timeout=30) for r in (0, 1)]]
+        def rank(c):
+            for _ in range(3):
+                c.all_reduce(np.ones(1 << 16, np.float32))
+            t0 = time.monotonic()
+            if c.rank == 0:
+                c.close()
+                return ("closed", time.monotonic() - t0)
+            try:
+                c.all_reduce(np.ones(1 << 16, np.float32))
+                return ("no error", 0.0)
+            except mrc.CollectiveError as e:
+                return (str(e), time.monotonic() - t0)
+            finally:
+                c.close()
+        with ThreadPoolExecutor(2) as ex:
+            (closed, t_close), (err, t_err) = ex.map(rank, comms)
+        assert closed == "closed" and t_close < 10, t_close
+        assert "rank 0 closed its communicator without making this call" in err, err
+        assert t_err < 10, t_err
+        print("ok")
+    """
+    assert "ok" in script(code).stdout
+
+
+def test_numbers_that_are_not_numbers_are_usage_errors() -> None:
+    code = """
+        import sys, numpy as np, mrc
+        sys.path.insert(0, "tests")
+        from helpers import connected_pair
+        nan = float("nan")
+        def usage(call, match):
+            try:
+                call()
+            except mrc.UsageError as e:
+                assert match in str(e), (match, e)
+                return
+            raise AssertionError(f"no UsageError ({match})")
+        with connected_pair(1) as p:
+            mr = p.b.register(np.zeros(64, np.uint8))
+            src = p.a.register(np.zeros(64, np.uint8))
+            usage(lambda: p.cb.recv(mr).wait(nan), "timeout must be >= 0")
+            usage(lambda: p.cb.wait_imm(nan), "timeout must be >= 0")
+            usage(lambda: p.a.create_cq().wait(nan), "timeout must be >= 0")
+            usage(lambda: p.a.connect("127.0.1.1", 1, timeout=nan), "timeout must be >= 0")
+            usage(lambda: mrc.RemoteRegion(-1, 64), "key must be an integer")
+            usage(lambda: p.ca.write(src, mr.descriptor(), cq=p.a.create_cq(), ctx=-1), "ctx")
+            usage(lambda: p.a.register_address((1 << 63) + 8, 1 << 63, src), "past the end")
+        for kw, match in ((dict(port=2**40), "port"), (dict(max_unexpected=-1), "max_unexpected"),
+                          (dict(timeout=nan), "timeout"), (dict(mss="big"), "mss")):
+            usage(lambda: mrc.Endpoint(["127.0.9.9"], **kw), match)
+        ep = mrc.Endpoint(["127.0.9.9"])
+        ep.close()
+        try:
+            ep.serve_stats("/tmp/never.sock")
+            raise AssertionError("a closed endpoint served stats")
+        except mrc.ConnectionClosedError:
+            pass
+        print("ok")
+    """
+    assert "ok" in script(code).stdout
+
+
+def test_an_async_call_on_a_closed_communicator_starts_no_thread() -> None:
+    code = """
+        import threading, numpy as np, mrc
+        from concurrent.futures import ThreadPoolExecutor
+        uid = mrc.get_unique_id()
+        with ThreadPoolExecutor(2) as ex:
+            comms = [f.result() for f in
+                     [ex.submit(mrc.Communicator, r, 2, uid, planes=1, timeout=30) for r in (0, 1)]]
+            list(ex.map(lambda c: c.close(), comms))
+        for c in comms:
+            try:
+                c.all_reduce(np.ones(4, np.float32), async_op=True)
+                raise AssertionError("queued on a closed communicator")
+            except mrc.CollectiveError as e:
+                assert "closed" in str(e), e
+        left = [t.name for t in threading.enumerate() if t.name.startswith("mrc-coll")]
+        assert not left, left
+        print("ok")
+    """
+    assert "ok" in script(code).stdout

@@ -343,8 +343,11 @@ class Communicator(Collectives):
         self._set_failure(CollectiveError(message, rank=rank))
         self._released.set()  # close() waits for no one any more
 
-    def _on_closed(self, rank: int | None) -> None:
+    def _on_closed(self, rank: int | None, runs: list[int] | None = None) -> None:
         self._closed_ranks.add(0 if rank is None else rank)
+        gone = getattr(self, "_collectives_peer_gone", None)
+        if gone is not None and rank is not None and runs is not None and len(runs) == self.size:
+            gone(rank, runs[self.rank])  # a call it never made fails now, not at the timeout
         if rank is None:
             self._released.set()  # the rendezvous is gone
 
@@ -429,6 +432,9 @@ class Communicator(Collectives):
                 close()
         if self._client is not None:
             if goodbye["op"] == "bye" and self._failure is None:
+                runs = getattr(self, "_collectives_runs", None)
+                if runs is not None and self._collectives_started:
+                    goodbye = {**goodbye, "runs": runs()}
                 self._client.send(goodbye)
                 self._released.wait(self.timeout)
                 self._client.close()

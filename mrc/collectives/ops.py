@@ -47,6 +47,7 @@ OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4}
 _MISMATCH = _datapath.MISMATCH
 _ABORTED = _datapath.ABORTED
 _ETIMEOUT = _datapath.ETIMEOUT
+_GONE = _datapath.GONE
 # Failures that are this rank's own finding about a peer (no progress, every path
 # failed, receiver not ready), not a consequence of another rank giving up.
 _FINDINGS = (_ETIMEOUT, _datapath.EPATHDOWN, _datapath.ERNR)
@@ -103,6 +104,8 @@ class Work:
     def wait(self, timeout: float | None = None) -> Any:
         """The operation's result (its recv buffer); raises its error. timeout:
         seconds (None: until done); raises mrc.TimeoutError if still running."""
+        if timeout is not None and not timeout >= 0:  # also nan: as Operation.wait
+            raise UsageError(f"timeout must be >= 0 seconds, got {timeout}")
         if not self._event.wait(timeout):
             raise TimeoutError(f"{self.what} still running after {timeout} s")
         if self._exc is not None:
@@ -254,13 +257,23 @@ class Collectives:
         self._coll_exec.abort()
 
     def _collectives_close(self) -> None:
-        self._coll_closed = True
+        with self._coll_qlock:  # a racing _submit then starts no worker
+            self._coll_closed = True
+            worker = self._coll_worker
         self._coll_exec.abort()
-        worker = self._coll_worker
         if worker is not None:
             self._coll_queue.put(None)
             worker.join(timeout=max(self.timeout, 1.0))
         self._coll_exec.close()
+
+    def _collectives_runs(self) -> list[int]:
+        """Collectives completed with each rank (after _collectives_close)."""
+        return list(self._coll_exec.final_runs)
+
+    def _collectives_peer_gone(self, peer: int, runs: int) -> None:
+        """Any thread: `peer` closed after `runs` collectives with this rank."""
+        if peer != self.rank and 0 <= peer < self.size:
+            self._coll_exec.peer_gone(peer, runs)
 
     def abort(self, reason: str = "aborted by the caller") -> None:
         """From any thread: the running and every later collective raise CollectiveError."""
@@ -316,7 +329,16 @@ class Collectives:
         """_run on what the executor takes: buffer objects (None when empty), codes."""
         self._check_usable()
         t0 = time.perf_counter()
-        rc, peer = self._coll_exec.run(packed, send, recv, dtype, op, sig, self.timeout)
+        try:
+            rc, peer = self._coll_exec.run(packed, send, recv, dtype, op, sig, self.timeout)
+        except KeyboardInterrupt:  # Ctrl-C while the run waited: it ended half-way
+            if self._coll_failure is None:
+                self._coll_failure = CollectiveError(
+                    f"rank {self.rank}: {what} was interrupted (KeyboardInterrupt): the "
+                    "communicator is over",
+                    rank=self.rank,
+                )
+            raise
         if rc == 0:
             st = self._coll_stats
             st["ops"] += 1
@@ -355,6 +377,13 @@ class Collectives:
             )
         elif rc == _ABORTED:
             err = CollectiveError(f"rank {r}: {what} aborted", rank=None, code=rc)
+        elif rc == _GONE:
+            err = CollectiveError(
+                f"rank {r}: {what}: rank {peer} closed its communicator without making this "
+                "call (close() while other ranks still call collectives)",
+                rank=peer,
+                code=rc,
+            )
         elif rc == _ETIMEOUT and peer >= 0:
             err = CollectiveError(
                 f"rank {r}: {what}: no progress for {self.timeout:g} s waiting for rank {peer}",
@@ -378,10 +407,11 @@ class Collectives:
         if self._coll_failure is None:
             self._coll_failure = err
         record = getattr(self, "_set_failure", None)
-        if record is not None and record(err) and rc in _FINDINGS and peer >= 0:
-            # This rank's own finding about a peer (unreachable, silent, not receiving),
-            # told at once: the others learn it from the group instead of blaming this
-            # rank, whose connections close as it gives up (or waiting their timeout).
+        if record is not None and record(err) and rc in (*_FINDINGS, _GONE) and peer >= 0:
+            # This rank's own finding about a peer (unreachable, silent, not receiving,
+            # closed without the call), told at once: the others learn it from the group
+            # instead of blaming this rank, whose connections close as it gives up (or
+            # waiting their timeout), and a rank waiting in close() for this one goes.
             tell = getattr(self, "_tell_group", None)
             if tell is not None:
                 tell(err)
@@ -390,6 +420,8 @@ class Collectives:
     def _submit(self, what: str, fn: Callable[[], Any], async_op: bool) -> Any:
         """Runs fn now, or on the worker thread behind earlier async operations."""
         with self._coll_qlock:
+            if self._coll_closed:  # no worker started for it (it would wait for ever)
+                raise CollectiveError(f"rank {self.rank}: the communicator is closed", self.rank)
             # On the worker thread itself (a staged device collective runs its
             # host collectives from there), a blocking call runs now: queued
             # behind the job that makes it, it would wait for itself.
@@ -738,13 +770,13 @@ class Collectives:
             )
 
     def _check_root(self, root: int, what: str) -> None:
-        if not 0 <= root < self.size:
-            raise UsageError(f"{what}: root {root} out of range (0..{self.size - 1})")
+        if not _is_int(root) or not 0 <= root < self.size:
+            raise UsageError(f"{what}: root must be a rank 0..{self.size - 1}, got {root!r}")
 
     def _check_peer(self, peer: int, what: str) -> None:
-        if not 0 <= peer < self.size or peer == self.rank:
+        if not _is_int(peer) or not 0 <= peer < self.size or peer == self.rank:
             raise UsageError(
-                f"{what}: peer {peer} must be another rank (0..{self.size - 1}, not {self.rank})"
+                f"{what}: peer {peer!r} must be another rank (0..{self.size - 1}, not {self.rank})"
             )
 
     def _counts(self, counts: Sequence[int] | None, total: int, what: str) -> tuple[int, ...]:
@@ -762,3 +794,8 @@ class Collectives:
                 f"most {total}"
             )
         return out
+
+
+def _is_int(x: object) -> bool:
+    """An integer rank (numpy's too), not a bool, float or string."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)

@@ -11,8 +11,9 @@ old id cannot join). Messages are JSON lines over one TCP connection per rank:
     server -> rank   {"op": "table", "infos": [...]}  once every rank has joined,
                      {"op": "error", message, rank}   the group cannot form (and why)
     both ways        {"op": "hb"}                     liveness, every `interval` seconds
-    rank -> server   {"op": "abort", message[, blame]} | {"op": "bye"}  (bye: in close())
-    server -> rank   {"op": "failed", rank, message} | {"op": "closed", rank}
+    rank -> server   {"op": "abort", message[, blame]} | {"op": "bye"[, runs]}  (bye: in close();
+                     runs: the collectives it completed with each rank)
+    server -> rank   {"op": "failed", rank, message} | {"op": "closed", rank[, runs]}
                      {"op": "released"}               every rank has said bye (or failed)
 
 The connection stays open for the communicator's life: it is how a rank's death reaches
@@ -377,7 +378,11 @@ class RendezvousServer:
         elif op == "bye":
             owner.gone = True
             if owner.rank is not None:
-                self._broadcast({"op": "closed", "rank": owner.rank}, skip=owner)
+                closed: dict[str, Any] = {"op": "closed", "rank": owner.rank}
+                runs = msg.get("runs")
+                if isinstance(runs, list) and all(type(x) is int and x >= 0 for x in runs):
+                    closed["runs"] = runs
+                self._broadcast(closed, skip=owner)
                 self._left_group(owner.rank)
         elif op == "abort" and owner.rank is not None:
             owner.gone = True
@@ -849,12 +854,13 @@ class RendezvousClient:
     def start_monitor(
         self,
         on_failed: Callable[[int | None, str], None],
-        on_closed: Callable[[int | None], None],
+        on_closed: Callable[[int | None, list[int] | None], None],
         on_released: Callable[[], None],
     ) -> None:
         """Beat every interval; call on_failed(rank, message) once when a rank (or the
-        rendezvous itself) fails, on_closed(rank) when a rank closes normally (None: the
-        rendezvous closed), on_released() once every rank is in close()."""
+        rendezvous itself) fails, on_closed(rank, runs) when a rank closes normally (None:
+        the rendezvous closed; runs: what its bye said, or None), on_released() once every
+        rank is in close()."""
 
         def run() -> None:
             interval = heartbeat_interval(self.timeout)
@@ -907,7 +913,7 @@ class RendezvousClient:
                                 if self._closed:
                                     return
                                 if rank0_closing:
-                                    on_closed(None)
+                                    on_closed(None, None)
                                     return
                                 on_failed(0, _RANK0_EXITED)
                                 return
@@ -934,7 +940,8 @@ class RendezvousClient:
                                 return
                             if op == "closed":
                                 rank0_closing = rank0_closing or msg.get("rank") == 0
-                                on_closed(msg.get("rank"))
+                                runs = msg.get("runs")
+                                on_closed(msg.get("rank"), runs if isinstance(runs, list) else None)
                                 if msg.get("rank") is None:
                                     return  # rank 0 closed its communicator: nothing to watch
                     silent = time.monotonic() - last_heard

@@ -25,6 +25,7 @@ queueing behind all of them, and its RECVs are posted before its data comes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -254,6 +255,8 @@ def share_bounds(count: int, n: int, shares: Sequence[float] | None = None) -> l
         return out
     if len(shares) != n:
         raise UsageError(f"shares has {len(shares)} entries for {n} ranks")
+    if not all(math.isfinite(s) for s in shares):
+        raise UsageError(f"shares must be finite numbers, got {list(shares)}")
     w = [Fraction(s) for s in shares]
     if any(x < 0 for x in w) or sum(w) <= 0:
         raise UsageError(f"shares must be >= 0 with a positive sum, got {list(shares)}")

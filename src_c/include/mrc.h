@@ -50,6 +50,7 @@ enum mrc_err {
     MRC_EABORT = -5014,    /* aborted by the caller (collectives: mrc_coll_abort) */
     MRC_EMISMATCH = -5015, /* collectives: ranks called with different arguments */
     MRC_ENOTMRC = -5016,   /* connect: the port answered in another protocol */
+    MRC_EGONE = -5017,     /* collectives: the peer closed without making this call */
 };
 
 const char *mrc_strerror(int rc);
@@ -129,9 +130,10 @@ struct mrc_path_spec {
  * of every plane's address (one port for all), so clients reach the endpoint
  * over any plane that is up. Listening again replaces the listeners. */
 int mrc_ep_listen(mrc_ep *ep, const char *addr, uint16_t port, uint16_t *bound_port);
-/* Stops listening: an mrc_ep_accept blocked in another thread returns
- * MRC_ECLOSED within 50 ms (so that thread can leave before mrc_ep_destroy);
- * later accepts find no listener. */
+/* Stops listening, and every set-up: an mrc_ep_accept or mrc_conn_connect
+ * blocked in another thread returns MRC_ECLOSED within 50 ms (so that thread
+ * can leave before mrc_ep_destroy); later accepts find no listener and later
+ * connects MRC_ECLOSED. For the endpoint's closing. */
 int mrc_ep_unlisten(mrc_ep *ep);
 /* A connection under construction: add paths, then connect or establish. */
 int mrc_conn_create(mrc_ep *ep, const char *name, mrc_conn **out);
@@ -417,6 +419,11 @@ struct mrc_coll_args {
     int dtype, op;       /* enum mrc_dtype, mrc_redop (op: REDUCE steps only) */
     uint32_t sig;        /* signature of the call: equal on every rank (19 bits used) */
     int timeout_ms;      /* fail with MRC_ETIMEOUT after this long without progress */
+    /* Optional: asked at most every 100 ms while the run waits without progress;
+     * nonzero ends it as mrc_coll_abort would (MRC_EABORT) for this run only.
+     * A binding answers whether the user interrupted the wait (Ctrl-C). */
+    int (*interrupted)(void *arg);
+    void *interrupt_arg;
 };
 
 struct mrc_coll_config {
@@ -445,6 +452,13 @@ int mrc_coll_run(mrc_coll *c, const struct mrc_coll_plan *plan, const struct mrc
 void mrc_coll_abort(mrc_coll *c);
 /* Waits until no operation of a failed run is pending (0), or -ETIMEDOUT. */
 int mrc_coll_drain(mrc_coll *c, int timeout_ms);
+/* Runs completed with `peer` (not while a run is under way: between runs). */
+uint32_t mrc_coll_runs(const mrc_coll *c, int peer);
+/* Any thread: `peer` closed after `runs` runs with this rank. A run (this or a
+ * later one) that waits on it without progress although it has made `runs`
+ * runs with it already, i.e. one the peer never made, returns MRC_EGONE
+ * within a wait slice instead of waiting out its timeout. */
+int mrc_coll_peer_gone(mrc_coll *c, int peer, uint32_t runs);
 /* Scratch bytes currently held (for memory accounting). */
 uint64_t mrc_coll_scratch_bytes(const mrc_coll *c);
 void mrc_coll_destroy(mrc_coll *c);

@@ -5,9 +5,14 @@
  * left open when the endpoint goes. Run under ASan's leak checker by
  * `make asan-test`: nothing may leak.
  */
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "connect.h"
@@ -102,11 +107,62 @@ static void run(int side)
     free(dst);
 }
 
+/* A connect in its hello exchange with a listener that never greets: the
+ * endpoint's closing (mrc_ep_unlisten, from another thread) ends it with
+ * MRC_ECLOSED within a slice, though its timeout is an hour. */
+struct connect_arg {
+    mrc_conn *c;
+    uint16_t port;
+    int rc;
+};
+
+static void *connect_thread(void *arg)
+{
+    struct connect_arg *x = arg;
+    x->rc = mrc_conn_connect(x->c, "127.0.9.7", x->port, -1);
+    return NULL;
+}
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void connect_ends_on_close(void)
+{
+    int mute = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sin = {.sin_family = AF_INET};
+    inet_pton(AF_INET, "127.0.9.7", &sin.sin_addr);
+    CHECK(mute >= 0 && bind(mute, (struct sockaddr *)&sin, sizeof(sin)) == 0);
+    CHECK(listen(mute, 4) == 0);
+    socklen_t sl = sizeof(sin);
+    CHECK(getsockname(mute, (struct sockaddr *)&sin, &sl) == 0);
+    mrc_ep *ep = ep_new("127.0.9.8");
+    struct connect_arg x = {.port = ntohs(sin.sin_port), .rc = 1};
+    CHECK_RC(mrc_conn_create(ep, "", &x.c));
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, connect_thread, &x) == 0);
+    int held = accept(mute, NULL, NULL); /* the connect is under way: in its hello */
+    CHECK(held >= 0);
+    double t0 = mono_s();
+    CHECK_RC(mrc_ep_unlisten(ep));
+    pthread_join(t, NULL);
+    CHECK(x.rc == MRC_ECLOSED);
+    CHECK(mono_s() - t0 < 1.0);
+    mrc_conn_destroy(x.c);
+    mrc_ep_destroy(ep);
+    close(held);
+    close(mute);
+}
+
 int main(void)
 {
     run(0);
     run(1);
     run(2);
+    connect_ends_on_close();
     DONE("test_shutdown");
     return 0;
 }
