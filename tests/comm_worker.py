@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import sys
-import threading
 import time
 
 import numpy as np
@@ -163,10 +162,12 @@ def main() -> None:
                     die_mid_collective(comm, int(os.environ["DEAD_RANK"]))
                 finally:
                     out["secs"] = time.monotonic() - t1
-            elif mode == "mesh_hold":  # until the test kills or stops this process
+            elif mode == "mesh_hold":  # until the test kills or stops it, or the group fails
                 exchange(comm)
                 print(json.dumps({"rank": rank, "holding": True}), flush=True)
-                threading.Event().wait(120)
+                comm._failed_ev.wait(120)
+                if comm.failure is not None:
+                    raise comm.failure
             elif mode == "p2p_chain":  # rank 1 sends to the held rank 2, rank 0 waits on 1
                 exchange(comm)
                 print(json.dumps({"rank": rank, "meshed": True}), flush=True)

@@ -447,7 +447,7 @@ def test_size_mismatch() -> None:
     res = in_threads([(0, 2, uid), (1, 3, uid)], timeout=5)
     close_all(res)
     errs = [e for e in res if isinstance(e, mrc.CollectiveError)]
-    assert errs and all("communicator has" in str(e) for e in errs), res
+    assert errs and all("disagree on the communicator's size" in str(e) for e in errs), res
 
 
 def test_abort_from_another_thread_reaches_every_rank() -> None:
@@ -520,6 +520,9 @@ def test_dead_rank_is_named_within_the_timeout(how: str) -> None:
             assert json.loads(victim.stdout.readline()).get("holding")  # its mesh is up
             os.kill(victim.pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
         res = results([p for r, p in enumerate(procs) if r != dead])
+        if how == "sigstop":  # resumed: what does the stopped rank say?
+            os.kill(procs[dead].pid, signal.SIGCONT)
+            (own,) = results([procs[dead]], limit=30)
     finally:
         if procs[dead].poll() is None:
             procs[dead].kill()
@@ -531,6 +534,79 @@ def test_dead_rank_is_named_within_the_timeout(how: str) -> None:
         assert got["secs"] < timeout + 3, got
     if how == "sigstop":
         assert all("sent nothing for" in g["error"] for g in res), res
+        # Resumed, the stopped rank learns the verdict about itself, not "rank 0 silent".
+        assert own.get("type") == "CollectiveError", own
+        assert own["err_rank"] == dead and f"rank {dead} sent nothing for" in own["error"], own
+
+
+def run_all(comms: list[Any], fn: Any) -> list[Any]:
+    """fn(communicator) on a thread per rank; the results in rank order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(comms)) as ex:
+        return list(ex.map(fn, comms))
+
+
+def test_a_stray_line_leaves_the_rendezvous_running() -> None:
+    """Valid JSON that is not a message (null, a list, a number) from a stray client, before
+    and after the group formed: the rendezvous drops that client and goes on (its thread
+    died on `null.get`, and every rank then failed at the timeout blaming rank 0)."""
+    uid = mrc.get_unique_id()
+    port = UniqueId.unpack(uid).port
+
+    def stray(line: bytes) -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.makefile("rb").readline()  # the rendezvous' greeting
+            s.sendall(line)
+            while s.recv(4096):  # at most a refusal, then dropped
+                pass
+
+    stray(b"null\n")
+    comms: list[Any] = []
+    try:
+        comms = in_threads([(r, 2, uid) for r in range(2)], 10)
+        for line in (b"[1]\n", b"7\n", b'{"op": "join", "rank": "x"}\n'):
+            stray(line)
+        assert any(t.name == "mrc-rendezvous" for t in threading.enumerate())  # still up
+        got = run_all(comms, lambda c: c.all_reduce(np.ones(4, np.float32)))
+        assert all(float(g[0]) == 2.0 for g in got), got
+    finally:
+        close_all(comms)
+
+
+def test_a_mismatched_call_is_the_cause_every_rank_sees() -> None:
+    """Rank 1 calls broadcast where the others call all_reduce: rank 1 finds the mismatch
+    and tells the group, so ranks 0 and 2 get that cause, not rank 1's closed connection."""
+    uid = mrc.get_unique_id()
+    comms = in_threads([(r, 3, uid) for r in range(3)], 10)
+    try:
+
+        def call(c: Any) -> str:
+            try:
+                if c.rank == 1:
+                    c.broadcast(np.ones(1024, np.float32), root=0)
+                else:
+                    c.all_reduce(np.ones(1024, np.float32))
+            except mrc.CollectiveError as e:
+                return str(e)
+            return "no error"
+
+        errs = run_all(comms, call)
+    finally:
+        close_all(comms)
+    assert all("does not match the call of rank" in e for e in errs), errs
+
+
+def test_a_rank_given_another_world_size_is_told_so() -> None:
+    """from_env() with WORLD_SIZE 3, 3 and 4: every rank hears that the sizes differ, at
+    once (it was "wrong unique id" for one rank and a timeout for the others)."""
+    port = free_port()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port - 1)}
+    envs = {r: {"RANK": str(r), "WORLD_SIZE": "4" if r == 2 else "3"} for r in range(3)}
+    res = results(start_ranks("mesh", 3, "env", timeout=20, env=env, envs=envs), limit=60)
+    for got in res:
+        assert "disagree on the communicator's size" in got.get("error", ""), got
+        assert got["secs"] < 10, got
 
 
 def test_a_hung_rank_is_named_by_the_rank_that_found_it_to_the_others() -> None:

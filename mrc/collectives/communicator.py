@@ -586,7 +586,7 @@ def launch_env(env: Mapping[str, str]) -> dict[str, Any]:
     addr = env.get("MRC_MASTER_ADDR") or env.get("MASTER_ADDR") or "127.0.0.1"
     port = rendezvous_port(env)
     run_id = next((env[v] for v in RUN_ID_VARS if env.get(v)), "")
-    token = rendezvous.env_token(addr, port, size, run_id)
+    token = rendezvous.env_token(addr, port, run_id)
     cfg: dict[str, Any] = {
         "rank": rank,
         "size": size,

@@ -407,9 +407,11 @@ class Collectives:
         if self._coll_failure is None:
             self._coll_failure = err
         record = getattr(self, "_set_failure", None)
-        if record is not None and record(err) and rc in (*_FINDINGS, _GONE) and peer >= 0:
+        told = (*_FINDINGS, _GONE, _MISMATCH)
+        if record is not None and record(err) and rc in told and peer >= 0:
             # This rank's own finding about a peer (unreachable, silent, not receiving,
-            # closed without the call), told at once: the others learn it from the group
+            # closed without the call, a call that does not match this one's), told at
+            # once: the others learn it from the group
             # instead of blaming this rank, whose connections close as it gives up (or
             # waiting their timeout), and a rank waiting in close() for this one goes.
             tell = getattr(self, "_tell_group", None)

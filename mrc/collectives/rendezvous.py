@@ -147,10 +147,11 @@ class UniqueId:
         return cls(parts[2], port, parts[4], version)
 
 
-def env_token(addr: str, port: int, size: int, run_id: str) -> str:
+def env_token(addr: str, port: int, run_id: str) -> str:
     """The token of an id built from launcher variables: every rank derives the same one,
-    and a rank of another run (another run id, size or port) does not match it."""
-    key = f"{MAGIC}/{VERSION}/{addr}/{port}/{size}/{run_id}".encode()
+    and a rank of another run (another run id or port) does not match it. Not the size:
+    a rank given another WORLD_SIZE is then told so by the rendezvous, not "wrong id"."""
+    key = f"{MAGIC}/{VERSION}/{addr}/{port}/{run_id}".encode()
     return hashlib.sha256(key).hexdigest()[:32]
 
 
@@ -359,10 +360,17 @@ class RendezvousServer:
             line, peer.buf = peer.buf.split(b"\n", 1)
             try:
                 msg = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 self._drop(peer)
                 return
-            self._handle(peer, msg)
+            if not isinstance(msg, dict):  # valid JSON, not a message (a stray client)
+                self._drop(peer)
+                return
+            try:
+                self._handle(peer, msg)
+            except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
+                self._drop(peer)  # a field of the wrong kind: as a line that is not JSON
+                return
         if len(peer.buf) > _MAX_LINE:
             self._drop(peer)
 
@@ -436,9 +444,11 @@ class RendezvousServer:
             self._deadline = time.monotonic() + self._timeout
             self._wake()
         if size != self._size:
+            said = ", ".join(str(r) for r in sorted(self._by_rank)) or "the first to join"
             return self._group_error(
-                f"rank {rank} says the communicator has {size} ranks, others said {self._size}",
-                rank,
+                f"the ranks disagree on the communicator's size: rank {rank} says {size}, "
+                f"rank(s) {said} said {self._size} (WORLD_SIZE or size= differs)",
+                None,
             )
         if not 0 <= rank < size:
             return refuse(f"rank {rank} out of range for a communicator of {size} ranks")
@@ -489,6 +499,10 @@ class RendezvousServer:
     def _lost(self, peer: _Peer, what: str) -> None:
         """peer: a rank's record (or a connection that never joined)."""
         rank, gone = peer.rank, peer.gone
+        if rank is not None and self._complete and not gone and rank not in self._left:
+            # A stopped rank (SIGSTOP) reads this when it runs again, before the hang-up
+            # that would otherwise make it blame rank 0.
+            _offer(peer.sock, {"op": "failed", "rank": rank, "message": f"rank {rank} {what}"})
         self._drop(peer)
         for link in [p for p in self._peers if p.owner is peer]:
             self._drop(link)
@@ -867,6 +881,7 @@ class RendezvousClient:
             last_heard = time.monotonic()
             next_beat = 0.0
             rank0_closing = False  # rank 0 said bye: its server goes with it, not a failure
+            rechecked = False  # silence is judged after one more look at the sockets
             sel = selectors.DefaultSelector()
             bufs: dict[socket.socket, bytes] = {}
             try:
@@ -929,7 +944,11 @@ class RendezvousClient:
                                 on_failed(0, "rank 0's rendezvous sent a line that is not JSON")
                                 return
                             last_heard = time.monotonic()
+                            rechecked = False
                             if self._closed:
+                                return
+                            if not isinstance(msg, dict):
+                                on_failed(0, "rank 0's rendezvous sent a non-message line")
                                 return
                             op = msg.get("op")
                             if op == "failed":
@@ -945,6 +964,12 @@ class RendezvousClient:
                                 if msg.get("rank") is None:
                                     return  # rank 0 closed its communicator: nothing to watch
                     silent = time.monotonic() - last_heard
+                    if silent > self.timeout and not rank0_closing and not rechecked:
+                        # Once more with a poll first: a process stopped (SIGSTOP) and
+                        # resumed past the deadline returns from select() without
+                        # having read what rank 0 sent meanwhile.
+                        rechecked = True
+                        continue
                     if silent > self.timeout and not rank0_closing and not self._closed:
                         on_failed(
                             0,
