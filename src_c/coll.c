@@ -79,7 +79,12 @@ struct mrc_coll {
     mrc_cq *bg;             /* early sends' completions: they never end a wait for cq's */
     int rank, nranks;
     mrc_conn **peers;
-    uint32_t *seq;          /* collectives run with each peer (tag field) */
+    /* runs that sent to (2 * peer) and received from (2 * peer + 1) each peer: the
+     * tag's sequence field. Per direction, so that the k-th run that sends to a
+     * peer pairs with the peer's k-th run that receives from this rank: a p2p
+     * send and a recv with one peer are two streams, not one (an exchange of
+     * isend + irecv on both ranks matched send with send). */
+    uint32_t *seq;
     /* per peer: -1, or the runs it had made with us when it closed
      * (mrc_coll_peer_gone, from another thread) */
     _Atomic int64_t *gone_after;
@@ -186,7 +191,7 @@ int mrc_coll_create(mrc_ep *ep, const struct mrc_coll_config *cfg, mrc_coll **ou
     c->busy_poll_us = cfg->busy_poll_us;
     atomic_init(&c->aborted, 0);
     c->peers = calloc((size_t)c->nranks, sizeof(*c->peers));
-    c->seq = calloc((size_t)c->nranks, sizeof(*c->seq));
+    c->seq = calloc(2 * (size_t)c->nranks, sizeof(*c->seq));
     c->gone_after = calloc((size_t)c->nranks, sizeof(*c->gone_after));
     c->tmp = malloc(c->chunk);
     int rc = -ENOMEM;
@@ -219,7 +224,7 @@ void mrc_coll_abort(mrc_coll *c) { atomic_store(&c->aborted, 1); }
 
 uint32_t mrc_coll_runs(const mrc_coll *c, int peer)
 {
-    return c && peer >= 0 && peer < c->nranks ? c->seq[peer] : 0;
+    return c && peer >= 0 && peer < c->nranks ? c->seq[2 * peer] : 0;
 }
 
 int mrc_coll_peer_gone(mrc_coll *c, int peer, uint32_t runs)
@@ -626,7 +631,7 @@ static int post_chunk(struct run *r, uint32_t s, uint32_t i)
     if (t->kind == MRC_STEP_SEND) {
         wr.kind = MRC_OP_SEND;
         ref_chunk(r, &r->p->refs[t->src], i, &wr.mr, &wr.loff);
-        wr.tag = make_tag(r->a->sig, c->seq[t->peer], t->pair_seq, i);
+        wr.tag = make_tag(r->a->sig, c->seq[2 * t->peer], t->pair_seq, i);
     } else {
         wr.kind = MRC_OP_RECV;
         ref_chunk(r, &r->p->refs[t->dst], i, &wr.mr, &wr.loff);
@@ -759,7 +764,7 @@ static void complete(struct run *r, const struct mrc_wc *wc)
     if (rc == MRC_ETRUNC)
         rc = MRC_EMISMATCH; /* the peer sent more than this rank expects */
     if (!rc && t->kind == MRC_STEP_RECV &&
-        (wc->tag != make_tag(r->a->sig, c->seq[t->peer], t->pair_seq, i) ||
+        (wc->tag != make_tag(r->a->sig, c->seq[2 * t->peer + 1], t->pair_seq, i) ||
          wc->bytes != chunk_len(r, t, i)))
         rc = MRC_EMISMATCH;
     if (rc) {
@@ -789,16 +794,16 @@ static int waited_peer(const struct run *r)
     return -1;
 }
 
-/* The peer this run waits on closed before making it: every run with it
- * that it made (gone_after) this rank has completed (seq), so what it waits
- * for can never come. */
+/* The peer this run waits on closed before making it: every run in which it
+ * sent to this rank (gone_after) this rank has received in (seq), so what it
+ * waits for can never come. */
 static bool waits_on_gone(const struct run *r, int *peer)
 {
     int w = waited_peer(r);
     if (w < 0)
         return false;
     int64_t after = atomic_load(&r->c->gone_after[w]);
-    if (after < 0 || (int64_t)r->c->seq[w] < after)
+    if (after < 0 || (int64_t)r->c->seq[2 * w + 1] < after)
         return false;
     *peer = w;
     return true;
@@ -1159,8 +1164,9 @@ int mrc_coll_run(mrc_coll *c, const struct mrc_coll_plan *p, const struct mrc_co
         memcpy(a->recv, r.bufs[1], a->recv_len);
     if (!rc) {
         for (int peer = 0; peer < c->nranks; peer++)
-            if (r.nlist[2 * peer] || r.nlist[2 * peer + 1])
-                c->seq[peer]++;
+            for (int dir = 0; dir < 2; dir++)
+                if (r.nlist[2 * peer + dir])
+                    c->seq[2 * peer + dir]++;
     }
     run_free(&r);
     /* The regions stay in the cache (mrs), the bounce slot with its early

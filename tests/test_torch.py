@@ -146,6 +146,12 @@ def test_torchrun_runs_an_unchanged_script(tmp_path: Path) -> None:
         "import sys\n"
         "sys.stdout.write(f'RESULT {dist.get_rank()} {dist.get_world_size()} {t.tolist()}\\n')\n"
         "dist.destroy_process_group()\n"
+        # again: torchrun's store outlives the group, whose id must not be read again
+        "dist.init_process_group('mrc')\n"
+        "t = torch.ones(2)\n"
+        "dist.all_reduce(t)\n"
+        "sys.stdout.write(f'AGAIN {dist.get_rank()} {t.tolist()}\\n')\n"
+        "dist.destroy_process_group()\n"
     )
     out = subprocess.run(
         [str(TORCHRUN), "--nproc-per-node", "2", "--standalone", str(script)],
@@ -159,6 +165,9 @@ def test_torchrun_runs_an_unchanged_script(tmp_path: Path) -> None:
     got = sorted(re.findall(r"RESULT \d \d \[[^\]]*\]", out.stdout))
     want = [float(3 * i) for i in range(6)]
     assert got == [f"RESULT {r} 2 {want}" for r in range(2)], out.stdout
+    assert sorted(re.findall(r"AGAIN \d \[[^\]]*\]", out.stdout)) == [
+        f"AGAIN {r} [2.0, 2.0]" for r in range(2)
+    ], out.stdout
 
 
 def _start_training(tmp: Path, name: str, nproc: int, steps: int, *extra: str):  # type: ignore[no-untyped-def]

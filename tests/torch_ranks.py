@@ -206,6 +206,57 @@ def scenario_collectives(out: Path) -> dict:
         for b in bx[1:]:
             want = fn(want, b)
         ck.exact(f"all_reduce {opname} bool", t, want)
+    # bool SUM / PRODUCT are logical or / and (NCCL's mapping), as Gloo computes them
+    for opname, fn in (("sum", torch.logical_or), ("prod", torch.logical_and)):
+        t = bx[RANK].clone()
+        m, g = both(lambda grp, t, op=opname: dist.all_reduce(t, OPS[op], group=grp), gloo, t)
+        want = bx[0]
+        for b in bx[1:]:
+            want = fn(want, b)
+        ck.exact(f"all_reduce {opname} bool", m[0], want)
+        ck.exact(f"all_reduce {opname} bool vs gloo", m[0], g[0])
+    # complex SUM: the real and imaginary parts apart, in rank order (small integers: exact)
+    cx = [
+        torch.complex(data(r, 24, torch.float32, 5), data(r, 24, torch.float32, 6))
+        for r in range(SIZE)
+    ]
+    want = cx[0].clone()
+    for c in cx[1:]:
+        want = want + c
+    t = cx[RANK].clone()
+    dist.all_reduce(t)
+    ck.exact("all_reduce sum complex64", t, want)
+    t = cx[RANK].clone()
+    dist.reduce(t, 0)
+    if RANK == 0:
+        ck.exact("reduce sum complex64", t, want)
+    o = torch.empty(24 // SIZE if 24 % SIZE == 0 else 0, dtype=torch.complex64)
+    if o.numel():
+        dist.reduce_scatter_tensor(o, cx[RANK].clone())
+        ck.exact("reduce_scatter_tensor complex64", o, want.view(SIZE, -1)[RANK])
+    # into a non-contiguous leaf that requires grad (a Parameter): the copy back is the
+    # collective's, not autograd's; the group goes on
+    w = torch.nn.Parameter(torch.zeros(3, 2).t())
+    if RANK == 0:
+        with torch.no_grad():
+            w.copy_(torch.arange(6.0).reshape(2, 3))
+    dist.broadcast(w, 0)
+    ck.exact("broadcast into a strided Parameter", w.detach(), torch.arange(6.0).reshape(2, 3))
+    # isend + irecv with one peer on both ranks, also as a batch: two streams, not one
+    if SIZE % 2 == 0:
+        peer = RANK ^ 1
+        mine, theirs = data(RANK, 300, torch.float32, 8), torch.empty(300)
+        for batch in (False, True):
+            if batch:
+                ops = [dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, theirs, peer)]
+                works = dist.batch_isend_irecv(ops)
+            else:
+                works = [dist.isend(mine, peer), dist.irecv(theirs, peer)]
+            for wk in works:
+                wk.wait()
+            ck.exact(
+                f"isend+irecv exchange batch={batch}", theirs, data(peer, 300, torch.float32, 8)
+            )
     # send / recv around a ring, hashed at both ends; then a barrier
     payload = data(RANK, 100_000, torch.float32, 7)
     nxt, prv = (RANK + 1) % SIZE, (RANK - 1) % SIZE

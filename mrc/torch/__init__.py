@@ -34,6 +34,10 @@ from mrc.torch.process_group import BACKEND_NAME, MrcBackendError, ProcessGroupM
 DEVICES = ["cpu", "cuda"]
 
 _UID_KEY = "mrc_unique_id"
+# Groups this process built, by membership: the n-th group of the same ranks takes key
+# "mrc_unique_id/n". A store outlives its groups (torchrun's agent store): a group made
+# again after destroy_process_group has the same prefix, and read the dead one's id.
+_made: dict[tuple[int, ...], int] = {}
 
 __all__ = [
     "BACKEND_NAME",
@@ -118,12 +122,15 @@ def create_process_group(
 
     global_rank = global_ranks[rank] if global_ranks else rank
     kw = _communicator_kwargs(global_rank)
+    members = tuple(global_ranks) if global_ranks else tuple(range(size))
+    _made[members] = _made.get(members, 0) + 1  # the same count on every member
+    key = f"{_UID_KEY}/{_made[members]}"
     if rank == 0:
         uid = mrc.get_unique_id(_rendezvous_addr(kw, global_rank))
-        store.set(_UID_KEY, uid)
+        store.set(key, uid)
     else:
         # a store get blocks until rank 0 has set it, for at most the store's timeout
-        uid = bytes(store.get(_UID_KEY))
+        uid = bytes(store.get(key))
     # MRC_TIMEOUT (mrc-run --timeout) overrides the group's timeout for the communicator:
     # torch's default of 30 minutes is long for noticing a hung peer
     secs = float(os.environ.get("MRC_TIMEOUT") or timeout.total_seconds())

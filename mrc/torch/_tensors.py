@@ -70,19 +70,30 @@ def check_tensor(t: object, rank: int, what: str) -> torch.Tensor:
     return t
 
 
-def reduce_dtype(t: torch.Tensor, op: str, rank: int, what: str) -> str:
-    """The mrc dtype name a reduction of t uses; a clear error for dtypes mrc cannot reduce."""
-    if t.dtype == torch.bool and op in ("max", "min"):
-        return "uint8"  # logical or / and, exactly as max / min over 0 and 1
+# bool: SUM is logical or and PRODUCT logical and, as NCCL maps them: MAX and MIN over 0, 1
+_BOOL_OPS = {"sum": "max", "max": "max", "prod": "min", "min": "min"}
+# complex: SUM and AVG act on the real and imaginary parts apart (flat_view's real pairs)
+_COMPLEX_DTYPES = {torch.complex64: "float32", torch.complex128: "float64"}
+
+
+def reduce_kind(t: torch.Tensor, op: str, rank: int, what: str) -> tuple[str, str]:
+    """The mrc dtype name and op a reduction of t uses; a clear error for what mrc cannot
+    reduce."""
+    if t.dtype == torch.bool and op in _BOOL_OPS:
+        return "uint8", _BOOL_OPS[op]
+    if t.dtype in _COMPLEX_DTYPES and op in ("sum", "avg"):
+        return _COMPLEX_DTYPES[t.dtype], op
     name = REDUCE_DTYPES.get(t.dtype)
     if name is None:
         supported = ", ".join(str(d).removeprefix("torch.") for d in REDUCE_DTYPES)
-        extra = " (bool only with MAX or MIN)" if t.dtype == torch.bool else ""
+        extra = {torch.bool: " (bool with SUM, PRODUCT, MAX or MIN)"}.get(t.dtype, "")
+        if t.dtype in _COMPLEX_DTYPES:
+            extra = " (complex with SUM or AVG)"
         raise TensorError(
             f"mrc backend rank {rank}: {what} has dtype {str(t.dtype).removeprefix('torch.')}, "
             f"which mrc cannot reduce with {op}{extra}; supported: {supported}"
         )
-    return name
+    return name, op
 
 
 def flat_view(t: torch.Tensor) -> np.ndarray:
@@ -100,6 +111,8 @@ def flat_view(t: torch.Tensor) -> np.ndarray:
         return flat.view(torch.int16).numpy().view(np.uint16)
     if t.dtype == torch.bool:
         return flat.view(torch.uint8).numpy()
+    if t.dtype in _COMPLEX_DTYPES:  # real pairs: reduced as such (SUM, AVG)
+        return torch.view_as_real(flat).reshape(-1).numpy()
     try:
         return flat.numpy()
     except TypeError:
@@ -138,8 +151,12 @@ class Staged:
         return c
 
     def finish(self) -> None:
-        for src, dst in self.copy_back:
-            dst.copy_(src)
+        # Outside autograd, as the caller's own tensor ops of a collective are: the copy
+        # into a leaf that requires grad is the collective's result, not a graph op
+        # (the completer thread has grad mode on whatever the caller's is).
+        with torch.no_grad():
+            for src, dst in self.copy_back:
+                dst.copy_(src)
         self.copy_back.clear()
 
 

@@ -34,7 +34,7 @@ from mrc.torch._tensors import (
     check_tensor,
     flat_view,
     one_tensor,
-    reduce_dtype,
+    reduce_kind,
     reduce_op,
     same_shape,
 )
@@ -218,13 +218,20 @@ class ProcessGroupMRC(dist.ProcessGroup):
                             f"mrc backend: {p.work.what} did not complete within the "
                             f"process group's timeout of {self._timeout:g} s; group aborted"
                         )
-                p.staged.finish()
-                if p.after is not None:
-                    p.after()
             except BaseException as e:  # noqa: BLE001 - handed to the waiter, never lost
                 error = e if isinstance(e, MrcBackendError) else _wrap(e, p.work.what)
                 self._abort_from_completer(str(error))
                 self._hold_until_drained(p)
+            if error is None:
+                # The data is in: what is left is local (copies into the caller's tensors),
+                # so its failure is this call's alone and the group goes on, as Gloo's.
+                try:
+                    p.staged.finish()
+                    if p.after is not None:
+                        with torch.no_grad():
+                            p.after()
+                except Exception as e:  # noqa: BLE001 - handed to the waiter, never lost
+                    error = _wrap(e, p.work.what)
             p.work._complete(error)
 
     def _hold_until_drained(self, p: _Pending) -> None:
@@ -270,10 +277,13 @@ class ProcessGroupMRC(dist.ProcessGroup):
         names = (
             [f"{what} tensor"] if len(ts) == 1 else [f"{what} tensor {i}" for i in range(len(ts))]
         )
-        dts = [reduce_dtype(t, op, self._rank, nm) for t, nm in zip(ts, names, strict=True)]
+        kinds = [reduce_kind(t, op, self._rank, nm) for t, nm in zip(ts, names, strict=True)]
         st = Staged()
         bufs = [st.output(t) for t in ts]
-        calls = [self._call("all_reduce", b, dt, op=op) for b, dt in zip(bufs, dts, strict=True)]
+        calls = [
+            self._call("all_reduce", b, dt, op=k_op)
+            for b, (dt, k_op) in zip(bufs, kinds, strict=True)
+        ]
         return self._issue(what, ts, st, calls)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
@@ -287,7 +297,7 @@ class ProcessGroupMRC(dist.ProcessGroup):
         root = self._root(_opt(opts, "rootRank", 0), "reduce")
         op = reduce_op(_opt(opts, "reduceOp", dist.ReduceOp.SUM), self._rank, "reduce")
         t = one_tensor(tensors, self._rank, "reduce")
-        dt = reduce_dtype(t, op, self._rank, "reduce tensor")
+        dt, op = reduce_kind(t, op, self._rank, "reduce tensor")
         st = Staged()
         b = st.output(t)
         return self._issue("reduce", [t], st, [self._call("reduce", b, dt, op=op, root=root)])
@@ -359,7 +369,7 @@ class ProcessGroupMRC(dist.ProcessGroup):
     ) -> Work:
         op = reduce_op(_opt(opts, "reduceOp", dist.ReduceOp.SUM), self._rank, "reduce_scatter")
         o = one_tensor(output_tensors, self._rank, "reduce_scatter output")
-        dt = reduce_dtype(o, op, self._rank, "reduce_scatter output")
+        dt, op = reduce_kind(o, op, self._rank, "reduce_scatter output")
         if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
             got = [len(i) for i in input_tensors]
             raise TensorError(
@@ -388,7 +398,7 @@ class ProcessGroupMRC(dist.ProcessGroup):
         t = check_tensor(input, self._rank, "reduce_scatter_tensor input")
         o = check_tensor(output, self._rank, "reduce_scatter_tensor output")
         self._check_multiple(t, o, "reduce_scatter_tensor input", "output")
-        dt = reduce_dtype(o, op, self._rank, "reduce_scatter_tensor output")
+        dt, op = reduce_kind(o, op, self._rank, "reduce_scatter_tensor output")
         st = Staged()
         src, dst = st.input(t), st.output(o)
         return self._issue(
@@ -414,8 +424,8 @@ class ProcessGroupMRC(dist.ProcessGroup):
             check_tensor(t, self._rank, f"reduce_scatter_tensor_coalesced input {i}")
             check_tensor(o, self._rank, f"reduce_scatter_tensor_coalesced output {i}")
             self._check_multiple(t, o, f"input {i}", f"output {i}")
-            dt = reduce_dtype(o, op, self._rank, f"reduce_scatter_tensor_coalesced output {i}")
-            calls.append(self._call2("reduce_scatter", st.input(t), st.output(o), dt, op=op))
+            dt, op_i = reduce_kind(o, op, self._rank, f"reduce_scatter_tensor_coalesced output {i}")
+            calls.append(self._call2("reduce_scatter", st.input(t), st.output(o), dt, op=op_i))
         return self._issue("reduce_scatter_tensor_coalesced", list(outputs), st, calls)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced

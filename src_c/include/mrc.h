@@ -452,12 +452,12 @@ int mrc_coll_run(mrc_coll *c, const struct mrc_coll_plan *plan, const struct mrc
 void mrc_coll_abort(mrc_coll *c);
 /* Waits until no operation of a failed run is pending (0), or -ETIMEDOUT. */
 int mrc_coll_drain(mrc_coll *c, int timeout_ms);
-/* Runs completed with `peer` (not while a run is under way: between runs). */
+/* Completed runs that sent to `peer` (between runs, not while one is under way). */
 uint32_t mrc_coll_runs(const mrc_coll *c, int peer);
-/* Any thread: `peer` closed after `runs` runs with this rank. A run (this or a
- * later one) that waits on it without progress although it has made `runs`
- * runs with it already, i.e. one the peer never made, returns MRC_EGONE
- * within a wait slice instead of waiting out its timeout. */
+/* Any thread: `peer` closed after `runs` runs that sent to this rank. A run
+ * (this or a later one) that waits on it without progress although this rank
+ * has received in `runs` runs already, i.e. one the peer never made, returns
+ * MRC_EGONE within a wait slice instead of waiting out its timeout. */
 int mrc_coll_peer_gone(mrc_coll *c, int peer, uint32_t runs);
 /* Scratch bytes currently held (for memory accounting). */
 uint64_t mrc_coll_scratch_bytes(const mrc_coll *c);
