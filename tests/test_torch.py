@@ -111,7 +111,7 @@ def test_bad_input_raises_before_sending(tmp_path: Path) -> None:
     for rank, rep in enumerate(reports):
         m = rep["messages"]
         assert f"rank {rank}" in m["complex"] and "complex64" in m["complex"]
-        assert "bool" in m["bool_sum"] and "MAX or MIN" in m["bool_sum"]
+        assert "bool" in m["bool_sum"] and "SUM, PRODUCT, MAX or MIN" in m["bool_sum"]
         assert "split sizes" in m["a2a_splits"]
         if rank != 0:
             assert f"global rank {rank} which does not belong" in m["outside"], m

@@ -257,6 +257,18 @@ def scenario_collectives(out: Path) -> dict:
             ck.exact(
                 f"isend+irecv exchange batch={batch}", theirs, data(peer, 300, torch.float32, 8)
             )
+    # a batch around the ring that posts its irecv first on every rank: the held recv lets
+    # the isend go first (it waited for the timeout)
+    if SIZE > 1:
+        nxt_, prv_ = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+        got_ = torch.empty(64)
+        ops = [
+            dist.P2POp(dist.irecv, got_, prv_),
+            dist.P2POp(dist.isend, data(RANK, 64, torch.float32, 9), nxt_),
+        ]
+        for wk in dist.batch_isend_irecv(ops):
+            wk.wait()
+        ck.exact("batch irecv-first ring", got_, data(prv_, 64, torch.float32, 9))
     # send / recv around a ring, hashed at both ends; then a barrier
     payload = data(RANK, 100_000, torch.float32, 7)
     nxt, prv = (RANK + 1) % SIZE, (RANK - 1) % SIZE
@@ -349,12 +361,19 @@ def scenario_errors(out: Path) -> dict:
     # (view_as_real) before the backend; reduce and reduce_scatter reach it complex
     c = torch.ones(4, dtype=torch.complex64)
     msgs["complex"] = expect_error(
-        "complex reduce", lambda: dist.reduce(c, 0), "complex64", r, "reduce tensor"
+        "complex reduce",
+        lambda: dist.reduce(c, 0, op=dist.ReduceOp.PRODUCT),
+        "complex64",
+        r,
+        "reduce tensor",
+        "SUM or AVG",
     )
     msgs["complex_rs"] = expect_error(
         "complex reduce_scatter_tensor",
         lambda: dist.reduce_scatter_tensor(
-            torch.empty(2, dtype=torch.complex128), torch.ones(2 * SIZE, dtype=torch.complex128)
+            torch.empty(2, dtype=torch.complex128),
+            torch.ones(2 * SIZE, dtype=torch.complex128),
+            op=dist.ReduceOp.MAX,
         ),
         "complex128",
         r,
@@ -365,7 +384,11 @@ def scenario_errors(out: Path) -> dict:
     if not torch.equal(z, torch.full((4,), SIZE * (1 + 2j), dtype=torch.complex64)):
         raise AssertionError(f"rank {RANK}: complex all_reduce (as real pairs) gave {z}")
     msgs["bool_sum"] = expect_error(
-        "bool sum", lambda: dist.all_reduce(torch.ones(4, dtype=torch.bool)), "bool", "sum", r
+        "bool avg",
+        lambda: dist.all_reduce(torch.ones(4, dtype=torch.bool), op=dist.ReduceOp.AVG),
+        "bool",
+        "avg",
+        r,
     )
     msgs["int16"] = expect_error(
         "int16 reduce_scatter",

@@ -57,6 +57,13 @@ class Work(dist.Work):
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._default_timeout = default_timeout
+        # A held recv (ProcessGroupMRC._hold): asked for, it is issued first
+        self._release: Callable[[], None] | None = None
+
+    def _demand(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     # completer thread side
     def _complete(self, error: BaseException | None) -> None:
@@ -73,6 +80,7 @@ class Work(dist.Work):
         secs = timeout.total_seconds() if timeout else 0.0
         if secs <= 0:
             secs = self._default_timeout
+        self._demand()
         if not self._done.wait(secs):
             raise MrcBackendError(f"mrc backend: {self.what} did not complete within {secs:g} s")
         if self._error is not None:
@@ -80,6 +88,7 @@ class Work(dist.Work):
         return True
 
     def is_completed(self) -> bool:
+        self._demand()
         return self._done.is_set()
 
     def is_success(self) -> bool:
@@ -93,6 +102,7 @@ class Work(dist.Work):
         return self._outputs
 
     def get_future(self) -> Future[list[torch.Tensor]]:
+        self._demand()
         return self._future
 
     def synchronize(self) -> None:
@@ -123,6 +133,7 @@ class ProcessGroupMRC(dist.ProcessGroup):
         self._closed = False
         self._aborted: str | None = None
         self._zombies: list[_Pending] = []  # timed-out calls the executor never let go of
+        self._held: list[tuple[Work, Staged, Sequence[Callable[[], Any]], Any]] = []
         self._completer = threading.Thread(
             target=self._complete_loop, name=f"mrc-torch-completer-r{rank}", daemon=True
         )
@@ -174,8 +185,10 @@ class ProcessGroupMRC(dist.ProcessGroup):
         staged: Staged,
         calls: Sequence[Callable[[], Any]],
         after: Callable[[], None] | None = None,
+        kind: str = "",
     ) -> Work:
-        """Issue calls (each returns a communicator Work) and hand them to the completer."""
+        """Issue calls (each returns a communicator Work) and hand them to the completer.
+        kind "send" / "recv": a p2p call (a recv is held, see below)."""
         seq = next(self._seq)
         desc = ", ".join(
             f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in outputs[:2]
@@ -189,20 +202,60 @@ class ProcessGroupMRC(dist.ProcessGroup):
                     f"mrc backend rank {self._rank}: {what}: the process group is "
                     f"{'shut down' if self._closed else 'aborted: ' + str(self._aborted)}"
                 )
-            deadline = time.monotonic() + self._timeout
-            handles: list[Any] = []
-            try:
-                for c in calls:
-                    handles.append(c())
-            except BaseException as e:
-                if handles:
-                    # a coalesced call half issued: the issued part keeps its tensors
-                    # (the completer holds them) until the executor is done with them
-                    held = Work(work.what, [], self._timeout)
-                    self._pending.put(_Pending(held, handles, staged, deadline))
-                raise _wrap(e, work.what) from e
-            self._pending.put(_Pending(work, handles, staged, deadline, after))
+            if kind == "recv":
+                # Held until the next call of this group or until asked for: a send issued
+                # after it then goes first (the other direction: the order of each stream
+                # is kept), so a batch [irecv, isend] around a ring does not wait on itself.
+                self._held.append((work, staged, calls, after))
+                work._release = self._release_held
+                return work
+            if kind == "send":
+                self._submit(work, staged, calls, after)
+                self._submit_held()
+            else:
+                self._submit_held()
+                self._submit(work, staged, calls, after)
         return work
+
+    def _release_held(self) -> None:
+        with self._lock:
+            self._submit_held()
+
+    def _submit_held(self) -> None:
+        """Issue the held recvs, in their order (self._lock held)."""
+        held, self._held = self._held, []
+        for i, (work, staged, calls, after) in enumerate(held):
+            work._release = None
+            try:
+                self._submit(work, staged, calls, after)
+            except BaseException as e:  # noqa: BLE001 - each held call's own error
+                work._complete(e)
+                for w, *_ in held[i + 1 :]:
+                    w._release = None
+                    w._complete(e)
+                return
+
+    def _submit(
+        self,
+        work: Work,
+        staged: Staged,
+        calls: Sequence[Callable[[], Any]],
+        after: Callable[[], None] | None,
+    ) -> None:
+        """Issue calls to the communicator and hand them to the completer (self._lock held)."""
+        deadline = time.monotonic() + self._timeout
+        handles: list[Any] = []
+        try:
+            for c in calls:
+                handles.append(c())
+        except BaseException as e:
+            if handles:
+                # a coalesced call half issued: the issued part keeps its tensors
+                # (the completer holds them) until the executor is done with them
+                held = Work(work.what, [], self._timeout)
+                self._pending.put(_Pending(held, handles, staged, deadline))
+            raise _wrap(e, work.what) from e
+        self._pending.put(_Pending(work, handles, staged, deadline, after))
 
     def _complete_loop(self) -> None:
         while True:
@@ -568,7 +621,7 @@ class ProcessGroupMRC(dist.ProcessGroup):
         st = Staged()
         b = st.input(t)
         call = lambda: self._comm.send(byte_view(b), peer, tag=tag, async_op=True)  # noqa: E731
-        return self._issue(f"send to {peer}", [t], st, [call])
+        return self._issue(f"send to {peer}", [t], st, [call], kind="send")
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> Work:  # noqa: N803
         t = one_tensor(tensors, self._rank, "recv")
@@ -576,7 +629,7 @@ class ProcessGroupMRC(dist.ProcessGroup):
         st = Staged()
         b = st.output(t)
         call = lambda: self._comm.recv(byte_view(b), peer, tag=tag, async_op=True)  # noqa: E731
-        return self._issue(f"recv from {peer}", [t], st, [call])
+        return self._issue(f"recv from {peer}", [t], st, [call], kind="recv")
 
     # --- life cycle -----------------------------------------------------------------------
 
@@ -585,6 +638,10 @@ class ProcessGroupMRC(dist.ProcessGroup):
         with self._lock:
             if self._aborted is None:
                 self._aborted = "abort() was called"
+            held, self._held = self._held, []
+        for work, *_ in held:
+            work._release = None
+            work._complete(MrcBackendError(f"mrc backend: {work.what}: the group was aborted"))
         try:
             self._comm.abort()
         finally:
@@ -595,6 +652,7 @@ class ProcessGroupMRC(dist.ProcessGroup):
         with self._lock:
             if self._closed:
                 return
+            self._submit_held()  # issued work finishes, held recvs included
             self._closed = True
         self._stop()
 
