@@ -269,6 +269,8 @@ def _run(test: str, **kw: Any) -> None:
     if server and not kw["planes"] and not kw["fabric"]:
         default_planes = _source_for(server) or default_planes
     planes = [p.strip() for p in (kw["planes"] or default_planes).split(",") if p.strip()]
+    if not planes:
+        raise click.BadParameter(f"{kw['planes']!r}: no address", param_hint="--planes")
     nplanes = kw["nplanes"] if kw["local"] else len(planes)
     for p, _ in fail_plane + loss:
         if p >= nplanes and not kw["fabric"]:
