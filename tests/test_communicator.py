@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -572,6 +573,32 @@ def test_a_stray_line_leaves_the_rendezvous_running() -> None:
         assert all(float(g[0]) == 2.0 for g in got), got
     finally:
         close_all(comms)
+
+
+def test_a_rank_reset_mid_group_leaves_the_rendezvous_running() -> None:
+    """A rank's connection ends in a reset (its process gone with bytes unread): the
+    rendezvous' offer of the verdict to that rank then fails with EPIPE, which killed the
+    rendezvous thread, and with it every later verdict for the others. It must go on."""
+    server = rendezvous.RendezvousServer(UniqueId("127.0.0.1", 0, "r" * 32))
+    uid = server.uid
+    clients = [rendezvous.RendezvousClient(uid, 10) for _ in range(2)]
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as ex:
+            tables = list(ex.map(lambda r: clients[r].join(r, 2, {"r": r}), range(2)))
+        assert all(len(t) == 2 for t in tables)
+        sock = clients[1]._sock
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # RST, not FIN
+        deadline = time.monotonic() + 10
+        while 1 not in server._left and time.monotonic() < deadline:
+            time.sleep(0.01)  # polls the server's state; the condition, not the time, ends it
+        assert 1 in server._left, "the rendezvous never judged rank 1"
+        assert server._thread.is_alive(), "the rendezvous thread died"
+    finally:
+        clients[0].close()
+        server.stop()
 
 
 def test_a_mismatched_call_is_the_cause_every_rank_sees() -> None:

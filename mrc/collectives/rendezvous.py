@@ -44,6 +44,7 @@ link. So a plane that flaps, or fails and heals, gives its link back within an i
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -502,7 +503,9 @@ class RendezvousServer:
         if rank is not None and self._complete and not gone and rank not in self._left:
             # A stopped rank (SIGSTOP) reads this when it runs again, before the hang-up
             # that would otherwise make it blame rank 0.
-            _offer(peer.sock, {"op": "failed", "rank": rank, "message": f"rank {rank} {what}"})
+            # A rank that exited has no one to read it: the write fails (EPIPE), harmless.
+            with contextlib.suppress(OSError):
+                _offer(peer.sock, {"op": "failed", "rank": rank, "message": f"rank {rank} {what}"})
         self._drop(peer)
         for link in [p for p in self._peers if p.owner is peer]:
             self._drop(link)
