@@ -601,6 +601,36 @@ def test_a_rank_reset_mid_group_leaves_the_rendezvous_running() -> None:
         server.stop()
 
 
+def test_a_dropped_communicator_lets_go_and_the_others_are_told() -> None:
+    """A communicator dropped without close() (a notebook cell run again, an exception
+    past its owner): its monitor and async worker held it, so it lived, with its threads,
+    sockets and endpoint, until the process exited, and the others never heard. Now it is
+    freed, warns ResourceWarning, and the other ranks' next call names it."""
+    import gc
+    import weakref
+
+    uid = mrc.get_unique_id()
+    comms = in_threads([(r, 2, uid) for r in range(2)], 10)
+    try:
+        got = run_all(comms, lambda c: c.all_reduce(np.ones(4, np.float32), async_op=True).wait())
+        assert all(float(g[0]) == 2.0 for g in got), got
+        dropped = comms.pop(1)
+        assert isinstance(dropped, mrc.Communicator)
+        worker, ref = dropped._coll_worker, weakref.ref(dropped)
+        assert worker is not None and worker.is_alive()
+        del dropped, got
+        with pytest.warns(ResourceWarning, match="unclosed <mrc.Communicator rank 1 of 2"):
+            gc.collect()  # the communicator and its planner hold each other
+        assert ref() is None, gc.get_referrers(ref())
+        worker.join(10)
+        assert not worker.is_alive()
+        with pytest.raises(mrc.CollectiveError, match="rank 1 dropped its communicator") as e:
+            comms[0].all_reduce(np.ones(4, np.float32))
+        assert e.value.rank == 1
+    finally:
+        close_all(comms)
+
+
 def test_a_mismatched_call_is_the_cause_every_rank_sees() -> None:
     """Rank 1 calls broadcast where the others call all_reduce: rank 1 finds the mismatch
     and tells the group, so ranks 0 and 2 get that cause, not rank 1's closed connection."""

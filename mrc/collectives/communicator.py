@@ -18,9 +18,12 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path as FsPath
 from typing import Any
@@ -69,6 +72,18 @@ def _parse_planes(value: str | int | Sequence[str] | None, rank: int) -> list[st
     if not planes:
         raise UsageError("planes: empty list of plane addresses")
     return planes
+
+
+def _weak(method: Callable[..., None]) -> Callable[..., None]:
+    """method, holding its object weakly: a call after the object is gone does nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        m = ref()
+        if m is not None:
+            m(*args)
+
+    return call
 
 
 class Communicator(Collectives):
@@ -152,7 +167,11 @@ class Communicator(Collectives):
                     self._server.add_links([addr for addr, _ in self.endpoint.planes])
             self._client = RendezvousClient(self.uid, self.timeout, rendezvous_addrs)
             infos = self._client.join(self.rank, self.size, self._info())
-            self._client.start_monitor(self._on_failed, self._on_closed, self._released.set)
+            # Weakly: a monitor holding the communicator would keep a dropped one (and its
+            # threads, sockets and endpoint) alive until the process exits.
+            self._client.start_monitor(
+                _weak(self._on_failed), _weak(self._on_closed), self._released.set
+            )
             self._take_table(infos)
             self._settle_routes(infos)
             self._connect_mesh(infos)
@@ -470,10 +489,15 @@ class Communicator(Collectives):
         self.close()
 
     def __del__(self) -> None:
-        # A communicator dropped without close() must not leave its server thread serving.
-        server = getattr(self, "_server", None)
-        if server is not None:
-            server.stop()
+        # Dropped without close(): like an unclosed file, warn and let go at once (not
+        # close()'s wait for the others, which could block whatever thread drops it); the
+        # other ranks learn this rank is gone, as from an abort.
+        if getattr(self, "_closed", True) or sys.is_finalizing():
+            return  # closed, never built, or the process' exit ends it (as it did before)
+        warnings.warn(f"unclosed {self!r}: close() it or use `with`", ResourceWarning, stacklevel=2)
+        self._teardown(
+            {"op": "abort", "message": f"rank {self.rank} dropped its communicator unclosed"}
+        )
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("failed" if self._failure else "up")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -209,6 +210,27 @@ def signature(*parts: object) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFF
 
 
+def _coll_work(ref: weakref.ref[Collectives], jobs: queue.Queue[Any]) -> None:
+    """The async calls' worker, in order. It holds its communicator only while a job
+    runs (the job does): waiting for the next one it must not keep a dropped
+    communicator alive."""
+    while True:
+        item = jobs.get()
+        if item is None:
+            return
+        fn, work = item
+        try:
+            result, exc = fn(), None
+        except BaseException as e:  # handed to the Work's waiter
+            result, exc = None, e
+        comm = ref()
+        if comm is not None:
+            with comm._coll_qlock:
+                comm._coll_queued -= 1
+        work._finish(result, exc)
+        del item, fn, work, result, exc, comm  # nothing held while waiting
+
+
 class Collectives:
     """The collective methods of mrc.Communicator (docs/architecture.md, "Collectives")."""
 
@@ -263,7 +285,8 @@ class Collectives:
         self._coll_exec.abort()
         if worker is not None:
             self._coll_queue.put(None)
-            worker.join(timeout=max(self.timeout, 1.0))
+            if worker is not threading.current_thread():  # dropped by its own last job
+                worker.join(timeout=max(self.timeout, 1.0))
         self._coll_exec.close()
 
     def _collectives_runs(self) -> list[int]:
@@ -437,26 +460,15 @@ class Collectives:
                 self._coll_queue.put((fn, work))
                 if self._coll_worker is None:
                     self._coll_worker = threading.Thread(
-                        target=self._coll_work, name=f"mrc-coll-{self.rank}", daemon=True
+                        target=_coll_work,
+                        args=(weakref.ref(self), self._coll_queue),
+                        name=f"mrc-coll-{self.rank}",
+                        daemon=True,
                     )
                     self._coll_worker.start()
         if inline:
             return fn()
         return work if async_op else work.wait()
-
-    def _coll_work(self) -> None:
-        while True:
-            item = self._coll_queue.get()
-            if item is None:
-                return
-            fn, work = item
-            try:
-                result, exc = fn(), None
-            except BaseException as e:  # handed to the Work's waiter
-                result, exc = None, e
-            with self._coll_qlock:
-                self._coll_queued -= 1
-            work._finish(result, exc)
 
     # -- the collectives --
     def all_reduce(
