@@ -631,6 +631,64 @@ def test_a_dropped_communicator_lets_go_and_the_others_are_told() -> None:
         close_all(comms)
 
 
+def test_a_bug_in_the_rendezvous_fails_the_group_with_its_cause(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An exception in rank 0's rendezvous thread (a bug) ended that thread silently: no
+    rank heard of any failure again, and a rank that died later was found only by a
+    timeout. Now every rank fails at once with the cause."""
+    uid = mrc.get_unique_id()
+    comms = in_threads([(r, 2, uid) for r in range(2)], 10)
+    try:
+        assert all(isinstance(c, mrc.Communicator) for c in comms), comms
+
+        def boom(self: Any, now: float) -> None:
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(rendezvous.RendezvousServer, "_beat", boom)
+        for c in comms:
+            assert c._failed_ev.wait(10), "no rank was told"
+            with pytest.raises(
+                mrc.CollectiveError, match=r"rendezvous failed \(RuntimeError: boom"
+            ):
+                c.all_reduce(np.ones(4, np.float32))
+        assert "RuntimeError: boom" in capsys.readouterr().err  # the traceback, for the report
+    finally:
+        close_all(comms)
+
+
+def test_a_bug_in_a_monitor_callback_fails_that_communicator() -> None:
+    """An exception in the rendezvous monitor (here its on_closed callback) killed the
+    monitor, and its communicator then heard of no failure again: now it fails at once,
+    naming the cause."""
+    server = rendezvous.RendezvousServer(UniqueId("127.0.0.1", 0, "m" * 32))
+    clients = [rendezvous.RendezvousClient(server.uid, 10) for _ in range(2)]
+    failed: list[tuple[int | None, str]] = []
+    done = threading.Event()
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda r: clients[r].join(r, 2, {"r": r}), range(2)))
+
+        def on_closed(rank: int | None, runs: Any) -> None:
+            raise RuntimeError("callback bug")
+
+        def on_failed(rank: int | None, message: str) -> None:
+            failed.append((rank, message))
+            done.set()
+
+        clients[0].start_monitor(on_failed, on_closed, lambda: None)
+        clients[1].send({"op": "bye"})  # the server tells rank 0: on_closed raises
+        assert done.wait(10), "the monitor died without a word"
+        assert failed[0][0] is None
+        assert "rank 0's rendezvous monitor failed (RuntimeError: callback bug)" in failed[0][1]
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+
+
 def test_a_mismatched_call_is_the_cause_every_rank_sees() -> None:
     """Rank 1 calls broadcast where the others call all_reduce: rank 1 finds the mismatch
     and tells the group, so ranks 0 and 2 get that cause, not rank 1's closed connection."""

@@ -56,6 +56,7 @@ import struct
 import termios
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -306,6 +307,24 @@ class RendezvousServer:
     # --- the loop ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as e:
+            # A bug here must not leave the group waiting for verdicts that will never
+            # come (each rank would hang until a timeout blaming someone else): fail it,
+            # with the cause, at once.
+            traceback.print_exc()
+            message = (
+                f"rank 0's rendezvous failed ({type(e).__name__}: {e}); the group cannot go on"
+            )
+            with contextlib.suppress(Exception):
+                self._broadcast({"op": "failed", "rank": None, "message": message})
+                if not self._complete:
+                    self._group_error(message, None)
+            with contextlib.suppress(Exception):
+                self._shutdown()
+
+    def _loop(self) -> None:
         last_beat = 0.0
         while not self._stopping:
             # The group's timeout (so the interval) arrives with the first join: the
@@ -980,9 +999,17 @@ class RendezvousClient:
                             "(stopped or cut off)",
                         )
                         return
-            except (OSError, ValueError):
-                if not self._closed:  # close() shut the sockets under select(): expected
-                    raise
+            except Exception as e:
+                if self._closed:  # close() shut the sockets under select(): expected
+                    return
+                # Anything else is a bug (here or in a callback): the communicator fails
+                # with its cause now, instead of hearing nothing until a timeout.
+                traceback.print_exc()
+                on_failed(
+                    None,
+                    f"rank {self._rank}'s rendezvous monitor failed "
+                    f"({type(e).__name__}: {e}); the communicator cannot go on",
+                )
             finally:
                 self._stop.set()  # nothing hears the links now: keeping them is moot
                 sel.close()
