@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 4 examples/ddp_train.py --steps 300
     torchrun --nproc-per-node 4 examples/ddp_train.py --fail-plane 1:0@100   # plane 0 of
                                                     # rank 1 goes down before step 100
-    mrc-run --fabric routing/4host-2plane.toml -n 4 examples/ddp_train.py     # on a fabric
+    mrc-run -n 4 --fabric routing/4host-4plane.toml -- python examples/ddp_train.py  # fabric
 
 The script is an ordinary DDP script: the only mrc line is `import mrc.torch`, which
 registers the backend. The data is generated (a character-level corpus from a tiny
