@@ -160,8 +160,12 @@ def plan(
         raise click.UsageError(f"-n must be >= 1, got {n}")
     if not cmd:
         raise click.UsageError("no command: mrc-run -n N -- CMD [ARGS...]")
+    from mrc.fabric.netns import tools_path
+
     env0 = dict(os.environ if base_env is None else base_env)
     common = {
+        # As mrc-fabric exec: `sudo mrc-run ... -- python x.py` runs this venv's python.
+        "PATH": tools_path(env0.get("PATH")),
         "WORLD_SIZE": str(n),
         "LOCAL_WORLD_SIZE": str(n),
         "MRC_RUN_ID": secrets.token_hex(8),

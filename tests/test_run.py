@@ -45,6 +45,19 @@ def py(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
+def test_the_command_finds_this_venvs_python_after_sudo_reset_path() -> None:
+    """sudo resets PATH to the system's: `sudo .venv/bin/mrc-run -n 2 -- python x.py` ran
+    the system python, which has no mrc (or mrc-perf was not found at all). The launcher's
+    own bin goes first on the ranks' PATH, as mrc-fabric exec does."""
+    code = "import mrc, sys; print(sys.executable)"
+    res = mrc_run("-n", "2", "--", "python", "-c", code, env={"PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    venv_bin = os.path.dirname(os.path.abspath(sys.executable))
+    for r in (0, 1):
+        line = next(x for x in res.stdout.splitlines() if x.startswith(f"[{r}] "))
+        assert os.path.dirname(line[4:]) == venv_bin, res.stdout
+
+
 def test_prefixes_and_environment() -> None:
     code = (
         "import os\n"

@@ -198,15 +198,8 @@ def exec_(element: str, cmd: tuple[str, ...], prefix: str) -> None:
         argv = netns.exec_argv(prefix, element, cmd)
     except (FabricError, FabricNetError) as e:
         _fail(e)
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([_tools_dir(), env.get("PATH", os.defpath)])
+    env = {**os.environ, "PATH": netns.tools_path(os.environ.get("PATH"))}
     os.execvpe(argv[0], argv, env)
-
-
-def _tools_dir() -> str:
-    # Not resolved: a venv's bin/python is a link to the base interpreter, and the
-    # venv's scripts live next to the link.
-    return os.path.dirname(os.path.abspath(sys.executable))
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -532,3 +533,12 @@ def link_counters(prefix: str, element: str) -> dict[str, dict[str, int]]:
             "tx_bytes": int(s["tx"]["bytes"]),
         }
     return stats
+
+
+def tools_path(path: str | None) -> str:
+    """PATH with the directory of this Python first (a venv's bin: python, mrc-perf,
+    mrc-route), so a command run for the user finds the project's tools and interpreter
+    even where sudo reset PATH. Not resolved: a venv's bin/python is a link to the base
+    interpreter, and the venv's scripts live next to the link."""
+    tools = os.path.dirname(os.path.abspath(sys.executable))
+    return os.pathsep.join([tools, path if path is not None else os.defpath])
