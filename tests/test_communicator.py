@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -325,6 +326,30 @@ def test_unreachable_rendezvous_names_rank_0() -> None:
     with pytest.raises(mrc.CollectiveError, match="could not reach the rendezvous of rank 0") as e:
         mrc.Communicator(1, 2, bad, timeout=0.5, planes=1)
     assert e.value.rank == 0
+
+
+def test_a_forming_group_says_who_it_waits_for(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While a group forms, every PROGRESS_S the ranks that joined log which ranks are
+    still missing (a start that hangs on a thousand ranks says who it waits for before
+    the timeout), and a rank that cannot reach rank 0 says so."""
+    monkeypatch.setattr(rendezvous, "PROGRESS_S", 0.3)
+    caplog.set_level(logging.WARNING, logger="mrc.collectives")
+    uid = mrc.get_unique_id()
+    got = in_threads([(r, 3, uid) for r in range(2)], 2)  # rank 2 never comes
+    assert all(isinstance(g, mrc.CollectiveError) for g in got), got
+    assert "rank 2 of 3 did not join within 2 s" in str(got[0])
+    said = [r.getMessage() for r in caplog.records]
+    for r in (0, 1):
+        assert any(f"rank {r}: waited" in m and "for rank 2 of 3 to join" in m for m in said), said
+
+    caplog.clear()
+    bad = UniqueId("127.0.0.1", free_port(), "ab" * 16).pack()
+    with pytest.raises(mrc.CollectiveError, match="could not reach the rendezvous of rank 0"):
+        mrc.Communicator(1, 2, bad, timeout=1.0, planes=1)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("not reachable for 0 s (Connection refused)" in m for m in said), said
 
 
 @pytest.mark.parametrize("banner", [b"", b"SSH-2.0-OpenSSH_9.6\r\n"])

@@ -10,6 +10,8 @@ old id cannot join). Messages are JSON lines over one TCP connection per rank:
     rank -> server   {"op": "join", version, token, rank, size, info}
     server -> rank   {"op": "table", "infos": [...]}  once every rank has joined,
                      {"op": "error", message, rank}   the group cannot form (and why)
+                     {"op": "waiting", missing, waited, size, timeout}  every PROGRESS_S
+                                                      while it forms (logged by the rank)
     both ways        {"op": "hb"}                     liveness, every `interval` seconds
     rank -> server   {"op": "abort", message[, blame]} | {"op": "bye"[, runs]}  (bye: in close();
                      runs: the collectives it completed with each rank)
@@ -49,6 +51,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import secrets
 import selectors
 import socket
@@ -75,6 +78,13 @@ GREETING_S = 10.0
 # connection silent for this many intervals has lost its path, for now.
 STALE_BEATS = 3
 
+
+# While a group forms, every this often: the server tells the ranks that joined which
+# ranks it still waits for, and a rank that cannot reach rank 0 says so (log warnings):
+# on a thousand ranks, a start that hangs must say who it waits for before the timeout.
+PROGRESS_S = 10.0
+
+log = logging.getLogger("mrc.collectives")
 
 # A rendezvous end that closes, or a program that exits without close(), waits this long
 # at most for its last words to be acknowledged (_flush).
@@ -259,6 +269,7 @@ class RendezvousServer:
         self._size: int | None = None
         self._timeout = 60.0
         self._deadline: float | None = None
+        self._progress = 0.0  # when the ranks that joined are next told who is missing
         self._error: dict[str, Any] | None = None  # the group failed to form: for everyone
         self._complete = False
         self._left: set[int] = set()  # ranks that closed, aborted or failed
@@ -462,6 +473,7 @@ class RendezvousServer:
             self._size = size
             self._timeout = float(msg.get("timeout", 60.0))
             self._deadline = time.monotonic() + self._timeout
+            self._progress = time.monotonic() + PROGRESS_S
             self._wake()
         if size != self._size:
             said = ", ".join(str(r) for r in sorted(self._by_rank)) or "the first to join"
@@ -508,6 +520,12 @@ class RendezvousServer:
                 )
             return
         if not self._complete:
+            if self._size is not None and self._deadline is not None and now >= self._progress:
+                self._progress = now + PROGRESS_S
+                waited = now - (self._deadline - self._timeout)
+                missing = [r for r in range(self._size) if r not in self._by_rank]
+                msg = {"op": "waiting", "missing": missing, "waited": waited}
+                self._broadcast({**msg, "size": self._size, "timeout": self._timeout})
             return
         self._broadcast({"op": "hb"})
         for r, p in list(self._by_rank.items()):
@@ -783,6 +801,8 @@ class RendezvousClient:
         # Rank 0 may start its server after the others start (from_env): retry refusals.
         # With alternates, each attempt is short, so an unreachable one costs a second.
         delay, last = 0.02, "no attempt"
+        start = time.monotonic()
+        progress = start + PROGRESS_S
         while True:
             for addr in self._addrs:
                 try:
@@ -800,6 +820,18 @@ class RendezvousClient:
                     f"could not reach the rendezvous of rank 0 at {' or '.join(self._addrs)} "
                     f"port {self.uid.port} within {self.timeout:g} s ({last}): is rank 0 running?",
                     rank=0,
+                )
+            now = time.monotonic()
+            if now >= progress:
+                progress = now + PROGRESS_S
+                log.warning(
+                    "the rendezvous of rank 0 at %s port %d: not reachable for %.0f s (%s); "
+                    "trying for %.0f s more: is rank 0 running?",
+                    " or ".join(self._addrs),
+                    self.uid.port,
+                    now - start,
+                    last,
+                    deadline - now,
                 )
             time.sleep(delay)  # back-off between connection attempts, not a sync
             delay = min(delay * 2, 0.5)
@@ -877,6 +909,20 @@ class RendezvousClient:
                 self._links = [(a, p) for a, p in links if a != self._joined_addr]
                 self._heard[self._sock] = time.monotonic()
                 return list(reply["infos"])
+            if reply["op"] == "waiting":
+                missing = [int(r) for r in reply["missing"]]
+                log.warning(
+                    "rank %d: waited %.0f s of %g for rank%s %s of %d to join the rendezvous at %s",
+                    rank,
+                    float(reply["waited"]),
+                    float(reply["timeout"]),
+                    "s" if len(missing) > 1 else "",
+                    _ranks(missing[:16])
+                    + (f" and {len(missing) - 16} more" if len(missing) > 16 else ""),
+                    int(reply["size"]),
+                    where,
+                )
+                continue
             if reply["op"] == "failed":
                 raise CollectiveError(
                     f"rank {rank} cannot join: {reply['message']}", rank=reply.get("rank")
