@@ -298,7 +298,12 @@ def test_bad_collective_arguments_and_failures_are_one_line() -> None:
         (["--timeout", "-1"], "--timeout"),
     ):
         said(cli(*perf, *args), 2, "Invalid value for", hint)
-    said(cli(*perf, "-b", "8", "-e", "8"), 1, "mrc-perf: error: no launcher variables")
+    said(
+        cli(*perf, "-b", "8", "-e", "8"),
+        1,
+        "mrc-perf: error: no launcher variables",
+        "start the ranks with a launcher (mrc-run -n N",
+    )
     # Ranks that disagree on the size: each says so in one line, mrc-run names the rank.
     code = (
         "import os, sys; from mrc.perf.cli import main; "

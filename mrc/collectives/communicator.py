@@ -605,7 +605,10 @@ def launch_env(env: Mapping[str, str]) -> dict[str, Any]:
             break
     else:
         names = ", ".join(f"{r}/{s}" for r, s, _ in RANK_VARS)
-        raise UsageError(f"no launcher variables for the rank and size: set one of {names}")
+        raise UsageError(
+            f"no launcher variables for the rank and size: set one of {names}, or start "
+            "the ranks with a launcher (mrc-run -n N -- CMD, torchrun, mpirun, srun)"
+        )
     _check_rank(rank, size)
     addr = env.get("MRC_MASTER_ADDR") or env.get("MASTER_ADDR") or "127.0.0.1"
     port = rendezvous_port(env)
