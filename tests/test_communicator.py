@@ -343,6 +343,13 @@ def test_a_forming_group_says_who_it_waits_for(
     said = [r.getMessage() for r in caplog.records]
     for r in (0, 1):
         assert any(f"rank {r}: waited" in m and "for rank 2 of 3 to join" in m for m in said), said
+    # Many missing: the first 16 and a count (the message stays small whatever the size).
+    caplog.clear()
+    got = in_threads([(0, 20, mrc.get_unique_id())], 1)
+    assert isinstance(got[0], mrc.CollectiveError), got
+    many = ", ".join(str(r) for r in range(1, 17)) + " and 3 more of 20 to join"
+    said = [r.getMessage() for r in caplog.records]
+    assert any("rank 0: waited" in m and f"for ranks {many}" in m for m in said), said
 
     caplog.clear()
     bad = UniqueId("127.0.0.1", free_port(), "ab" * 16).pack()

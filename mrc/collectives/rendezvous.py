@@ -10,8 +10,8 @@ old id cannot join). Messages are JSON lines over one TCP connection per rank:
     rank -> server   {"op": "join", version, token, rank, size, info}
     server -> rank   {"op": "table", "infos": [...]}  once every rank has joined,
                      {"op": "error", message, rank}   the group cannot form (and why)
-                     {"op": "waiting", missing, waited, size, timeout}  every PROGRESS_S
-                                                      while it forms (logged by the rank)
+                     {"op": "waiting", missing (the first 16), count, waited, size,
+                                     timeout}         every PROGRESS_S while it forms
     both ways        {"op": "hb"}                     liveness, every `interval` seconds
     rank -> server   {"op": "abort", message[, blame]} | {"op": "bye"[, runs]}  (bye: in close();
                      runs: the collectives it completed with each rank)
@@ -524,8 +524,12 @@ class RendezvousServer:
                 self._progress = now + PROGRESS_S
                 waited = now - (self._deadline - self._timeout)
                 missing = [r for r in range(self._size) if r not in self._by_rank]
-                msg = {"op": "waiting", "missing": missing, "waited": waited}
-                self._broadcast({**msg, "size": self._size, "timeout": self._timeout})
+                # The first few and a count: small whatever the size, as an offered
+                # message must be (one that does not fit at once jams its connection).
+                msg = {"op": "waiting", "missing": missing[:16], "count": len(missing)}
+                self._broadcast(
+                    {**msg, "waited": waited, "size": self._size, "timeout": self._timeout}
+                )
             return
         self._broadcast({"op": "hb"})
         for r, p in list(self._by_rank.items()):
@@ -910,15 +914,15 @@ class RendezvousClient:
                 self._heard[self._sock] = time.monotonic()
                 return list(reply["infos"])
             if reply["op"] == "waiting":
-                missing = [int(r) for r in reply["missing"]]
+                missing, count = [int(r) for r in reply["missing"]], int(reply["count"])
+                more = f" and {count - len(missing)} more" if count > len(missing) else ""
                 log.warning(
                     "rank %d: waited %.0f s of %g for rank%s %s of %d to join the rendezvous at %s",
                     rank,
                     float(reply["waited"]),
                     float(reply["timeout"]),
-                    "s" if len(missing) > 1 else "",
-                    _ranks(missing[:16])
-                    + (f" and {len(missing) - 16} more" if len(missing) > 16 else ""),
+                    "s" if count > 1 else "",
+                    _ranks(missing) + more,
                     int(reply["size"]),
                     where,
                 )
