@@ -329,8 +329,9 @@ class RendezvousServer:
                 f"rank 0's rendezvous failed ({type(e).__name__}: {e}); the group cannot go on"
             )
             with contextlib.suppress(Exception):
-                self._broadcast({"op": "failed", "rank": None, "message": message})
-                if not self._complete:
+                if self._complete:
+                    self._broadcast({"op": "failed", "rank": None, "message": message})
+                else:
                     self._group_error(message, None)
             with contextlib.suppress(Exception):
                 self._shutdown()
@@ -545,9 +546,9 @@ class RendezvousServer:
             # A stopped rank (SIGSTOP) reads this when it runs again, before the hang-up
             # that would otherwise make it blame rank 0.
             # A rank that exited has no one to read it: the write fails (EPIPE), harmless.
-            with contextlib.suppress(OSError):
-                _offer(peer.sock, {"op": "failed", "rank": rank, "message": f"rank {rank} {what}"})
-        self._drop(peer)
+            self._send_error(peer, {"op": "failed", "rank": rank, "message": f"rank {rank} {what}"})
+        else:
+            self._drop(peer)
         for link in [p for p in self._peers if p.owner is peer]:
             self._drop(link)
         if rank is None or gone or rank in self._left:
