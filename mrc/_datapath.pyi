@@ -232,6 +232,7 @@ COLL_REF_SIZE: int
 ABORTED: int
 MISMATCH: int
 GONE: int
+STALLED: int
 ETIMEOUT: int
 EPATHDOWN: int
 ERNR: int

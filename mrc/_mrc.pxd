@@ -29,6 +29,7 @@ cdef extern from "mrc.h" nogil:
         MRC_EABORT
         MRC_EMISMATCH
         MRC_EGONE
+        MRC_ESTALLED
         MRC_OP_WRITE
         MRC_OP_SEND
         MRC_OP_RECV

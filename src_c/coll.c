@@ -935,7 +935,7 @@ static int main_loop(struct run *r)
         if (got > 0) {
             last = now_ms();
         } else if (r->a->timeout_ms >= 0 && now_ms() - last > (uint64_t)r->a->timeout_ms) {
-            r->rc = MRC_ETIMEOUT;
+            r->rc = MRC_ESTALLED; /* not ETIMEOUT: that is a connection's own */
             r->failed_peer = waited_peer(r);
         } else if (waits_on_gone(r, &r->failed_peer)) {
             r->rc = MRC_EGONE;
@@ -1028,7 +1028,7 @@ static int slot_wait(mrc_coll *c, int k, int timeout_ms)
         if (atomic_load(&c->aborted))
             return MRC_EABORT;
         if (timeout_ms >= 0 && now_ms() > until)
-            return MRC_ETIMEOUT;
+            return MRC_ESTALLED;
         int n = reap_q(&idle, c->bg, WAIT_SLICE_MS, 1);
         if (n < 0)
             return n;

@@ -157,14 +157,19 @@ static void timed_unlink(mrc_ep *ep, mrc_conn *c)
 
 /* c has a timer to run (ops posted, a path to probe): the loop ticks again
  * within MRC_TIMER_NS. Only connections on ep->timed are ever scanned. */
+/* c has timers due soon: on the list, and the next scan within MRC_TIMER_NS
+ * (also when it is listed already, with its timers due later: a SEND posted
+ * on a connection that only waited for RECVs needs its RTO scans now). */
 void conn_arm_timer_pt(mrc_conn *c)
 {
     mrc_ep *ep = c->ep;
-    if (c->timed || !c->active_listed)
+    if (!c->active_listed)
         return;
-    c->timed = true;
-    c->next_timed = ep->timed;
-    ep->timed = c;
+    if (!c->timed) {
+        c->timed = true;
+        c->next_timed = ep->timed;
+        ep->timed = c;
+    }
     uint64_t due = now_ns() + MRC_TIMER_NS;
     if (due < ep->next_timer_ns)
         ep->next_timer_ns = due;

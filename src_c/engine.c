@@ -149,9 +149,12 @@ static bool engine_drain(mrc_ep *ep)
 
 /* When c's timers are next due, UINT64_MAX if it has none: then it leaves
  * ep->timed. Packets in flight (RTOs), ops queued (progress timeout, RNR
- * back-off) and paths not good (probes) tick every MRC_TIMER_NS; a connection
- * only waiting on posted RECVs needs its keepalives, MRC_KEEPALIVE_NS apart,
- * one path per turn (path_timers_pt). */
+ * back-off) and paths suspect or probing tick every MRC_TIMER_NS; an
+ * outstanding probe's answer is due by its deadline and a failed path's next
+ * probe after its gap (a connection with a dead plane wakes the loop a few
+ * times a second, not every MRC_TIMER_NS for as long as it is out); a
+ * connection only waiting on posted RECVs needs its keepalives,
+ * MRC_KEEPALIVE_NS apart, one path per turn (path_timers_pt). */
 #define MRC_KEEPALIVE_GRID_NS 10000000ull
 
 static uint64_t conn_next_timer_pt(const mrc_conn *c, uint64_t now)
@@ -160,24 +163,33 @@ static uint64_t conn_next_timer_pt(const mrc_conn *c, uint64_t now)
     if (c->una != c->next_psn || c->txops_head || c->rnr_backoff)
         return tick;
     bool busy = c->recvq_head || c->staging;
-    uint64_t due = UINT64_MAX;
+    uint64_t due = UINT64_MAX, ka = UINT64_MAX;
     for (int i = 0; i < c->npaths; i++) {
         const struct path *p = &c->paths[i];
-        if (p->probe_out || p->state != MRC_PATH_GOOD)
-            return tick;
-        if (busy && i == c->ka_path % c->npaths) {
+        uint64_t at = UINT64_MAX;
+        if (p->probe_out)
+            at = p->probe_sent_ns + 2 * path_rto(p) + 1;
+        else if (p->state == MRC_PATH_FAILED)
+            at = p->probe_sent_ns + p->probe_gap_ns;
+        else if (p->state != MRC_PATH_GOOD)
+            return tick; /* suspect or probing: a probe to send now */
+        else if (busy && i == c->ka_path % c->npaths) {
             uint64_t last = p->last_rx_ns > p->probe_sent_ns ? p->last_rx_ns : p->probe_sent_ns;
             last = c->ka_sent_ns > last ? c->ka_sent_ns : last;
             uint64_t d = last + MRC_KEEPALIVE_NS + 1;
             d = d > tick ? d : tick;
-            due = d < due ? d : due;
+            ka = d < ka ? d : ka;
+        }
+        if (at != UINT64_MAX) {
+            at = at > tick ? at : tick;
+            due = at < due ? at : due;
         }
     }
     /* Keepalives are rounded up to a common grid: those of many waiting
      * connections fall due together, one wake-up for all of them. */
-    if (due != UINT64_MAX)
-        due = (due + MRC_KEEPALIVE_GRID_NS - 1) / MRC_KEEPALIVE_GRID_NS * MRC_KEEPALIVE_GRID_NS;
-    return due;
+    if (ka != UINT64_MAX)
+        ka = (ka + MRC_KEEPALIVE_GRID_NS - 1) / MRC_KEEPALIVE_GRID_NS * MRC_KEEPALIVE_GRID_NS;
+    return ka < due ? ka : due;
 }
 
 static void engine_conn_timers(mrc_ep *ep, mrc_conn *c, uint64_t now)

@@ -36,6 +36,7 @@ const char *mrc_strerror(int rc)
     case MRC_EMISMATCH: return "ranks called the collective with different arguments";
     case MRC_ENOTMRC: return "not an mrc endpoint (it answered in another protocol)";
     case MRC_EGONE: return "the peer closed its communicator without this call";
+    case MRC_ESTALLED: return "nothing of the collective completed within its timeout";
     case MRC_EBUSY: return "still in use by pending operations";
     case MRC_ERNR: return "receiver not ready: the peer posted no RECV (or took no immediate) within the RNR limit";
     default: return rc < 0 && rc > -4096 ? strerror(-rc) : "unknown error";

@@ -55,7 +55,15 @@
  * such packets (a bulk transfer), a hole or a duplicate: the ACK goes now. */
 #define MRC_ACK_DELAY_NS 500000ull
 #define MRC_ACK_LAZY_PKTS 4u
-#define MRC_PROBE_INTERVAL_NS 5000000ull /* failed/probing paths are probed this often */
+/* A failed path is probed MRC_PROBE_INTERVAL_NS after it failed, then twice
+ * as long after each unanswered probe, up to MRC_PROBE_GAP_MAX_NS. Not at a
+ * fixed 5 ms: a host whose plane is down has that path failed to every peer,
+ * and 1000 peers probed every 5 ms are 200k packets a second, for as long as
+ * the cable is out; at the cap they are 5k. A heal is still seen at once
+ * where it can be: the side whose link comes back (netlink) and a side that
+ * gets a probe on the failed path restart at the shortest gap. */
+#define MRC_PROBE_INTERVAL_NS 5000000ull
+#define MRC_PROBE_GAP_MAX_NS 200000000ull
 /* A busy connection's idle paths, one path per turn: a waiting connection's
  * keepalives exist to find a dead peer, well inside any operation timeout. */
 #define MRC_KEEPALIVE_NS 100000000ull
@@ -214,6 +222,7 @@ struct path {
     uint64_t rto_loss_ns, rto_loss_sent_ns;
     uint32_t probe_seq;
     uint64_t probe_sent_ns, last_tx_ns, last_rx_ns;
+    uint64_t probe_gap_ns; /* failed: the next probe this long after the last */
     bool probe_out;
     /* counters */
     uint64_t tx_pkts, tx_bytes, rx_pkts, rx_bytes, retx, lost, injected, probes, changes;
@@ -603,6 +612,7 @@ bool ep_progress_held_here(const mrc_ep *ep);
 /* ep_ctl on a thread holding the progress: runs the request there. */
 int ep_ctl_here(mrc_ep *ep, struct ctl *x);
 void conn_arm_timer_pt(mrc_conn *c);
+void path_probe_soon_pt(mrc_conn *c, struct path *p);
 
 #define MRC_RNR_MIN_NS 1000000ull    /* first back-off after a receiver-not-ready */
 #define MRC_RNR_MAX_NS 64000000ull   /* back-off doubles up to this */

@@ -76,6 +76,11 @@ static void link_plane_event_pt(mrc_ep *ep, int plane, bool up)
         /* Setting an interface down deletes the routes through it, the seg6
          * routes of this plane's route sockets too: put them back. */
         sock_seg6route_restore_pt(ep, plane);
+        /* The carrier says nothing beyond it, but it is the time to look. */
+        for (mrc_conn *c = ep->active; c; c = c->next_active)
+            for (int i = 0; i < c->npaths; i++)
+                if (c->paths[i].plane == plane)
+                    path_probe_soon_pt(c, &c->paths[i]);
         return;
     }
     uint64_t now = now_ns();

@@ -29,6 +29,7 @@ const char *mrc_path_state_str(int state)
 void path_init(struct path *p, uint32_t mss)
 {
     p->state = MRC_PATH_GOOD;
+    p->probe_gap_ns = MRC_PROBE_INTERVAL_NS;
     p->cwnd = (uint64_t)INIT_CWND_PKTS * (mss + MRC_PKT_OVERHEAD);
     p->ssthresh = UINT64_MAX;
     p->base_rtt = UINT64_MAX;
@@ -224,6 +225,7 @@ void path_set_state_pt(mrc_conn *c, struct path *p, int state, uint64_t now)
     switch (state) {
     case MRC_PATH_GOOD:
         p->consec_loss = 0;
+        p->probe_gap_ns = MRC_PROBE_INTERVAL_NS;
         p->cwnd = (uint64_t)INIT_CWND_PKTS * (c->mss + MRC_PKT_OVERHEAD);
         p->ssthresh = UINT64_MAX;
         break;
@@ -232,11 +234,22 @@ void path_set_state_pt(mrc_conn *c, struct path *p, int state, uint64_t now)
         break;
     case MRC_PATH_FAILED:
         p->probe_out = false;
+        p->probe_gap_ns = MRC_PROBE_INTERVAL_NS;
         tx_flush_path_pt(c, p);
         break;
     default:
         break;
     }
+}
+
+/* Evidence that a failed path may work again (a probe came in on it, or its
+ * local link came up): probe it at the shortest gap from now on. */
+void path_probe_soon_pt(mrc_conn *c, struct path *p)
+{
+    if (p->state != MRC_PATH_FAILED || p->probe_gap_ns == MRC_PROBE_INTERVAL_NS)
+        return;
+    p->probe_gap_ns = MRC_PROBE_INTERVAL_NS;
+    conn_arm_timer_pt(c);
 }
 
 void path_on_rtt_pt(struct path *p, uint64_t rtt, uint64_t now)
@@ -400,7 +413,11 @@ void path_timers_pt(mrc_conn *c, uint64_t now, bool busy)
             p->probe_out = false;
             c->ep->st.probe_timeouts++;
             p->consec_loss++;
-            if (p->state != MRC_PATH_FAILED)
+            if (p->state == MRC_PATH_FAILED) /* still dead: back off (MRC_PROBE_GAP_MAX_NS) */
+                p->probe_gap_ns = p->probe_gap_ns >= MRC_PROBE_GAP_MAX_NS / 2
+                                      ? MRC_PROBE_GAP_MAX_NS
+                                      : 2 * p->probe_gap_ns;
+            else
                 path_set_state_pt(c, p, p->state == MRC_PATH_GOOD ? MRC_PATH_SUSPECT
                                                                    : MRC_PATH_FAILED, now);
         }
@@ -411,7 +428,7 @@ void path_timers_pt(mrc_conn *c, uint64_t now, bool busy)
             path_probe_pt(c, p, now);
             break;
         case MRC_PATH_FAILED:
-            if (now - p->probe_sent_ns >= MRC_PROBE_INTERVAL_NS)
+            if (now - p->probe_sent_ns >= p->probe_gap_ns)
                 path_probe_pt(c, p, now);
             break;
         case MRC_PATH_PROBING:

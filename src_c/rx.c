@@ -593,6 +593,7 @@ void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, ui
     case MRC_PKT_PROBE:
         path_send_ctrl_pt(c, path_for_ack_pt(c, h->path), h->path, MRC_PKT_PROBE_ACK, 0, h->psn,
                           h->ts);
+        path_probe_soon_pt(c, p); /* it came in on p: p may work again */
         break;
     case MRC_PKT_PROBE_ACK:
         path_on_probe_ack_pt(c, p, h->ts, now);

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import mrc
+from mrc import _datapath
 from mrc.collectives import communicator, rendezvous
 from mrc.collectives.communicator import (
     _server_planes,
@@ -162,6 +163,21 @@ def test_launch_env_mrc_run_variables_and_tokens() -> None:
     assert launch_env({**base, "RANK": "0", "MRC_PLANES": "2"})["planes"] == "2"
     sock = "/tmp/mrc-{rank}.sock"
     assert launch_env({**base, "RANK": "0", "MRC_STATS_SOCKET": sock})["stats_socket"] == sock
+    got = launch_env({**base, "RANK": "0", "MRC_ENDPOINT_TIMEOUT": "12"})
+    assert got["endpoint"] == {"timeout": 12.0}
+
+
+def test_from_env_gives_the_endpoint_its_timeout() -> None:
+    """MRC_ENDPOINT_TIMEOUT reaches the communicator's endpoint (the transport's give-up),
+    under endpoint options passed in the call."""
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MRC_PORT": str(port), "MRC_ENDPOINT_TIMEOUT": "12"}
+    with mrc.Communicator.from_env(env, planes=1) as c:
+        assert c.endpoint.timeout == 12.0
+    with mrc.Communicator.from_env(env, planes=1, endpoint={"timeout": 3}) as c:
+        assert c.endpoint.timeout == 3.0
 
 
 def test_rank_0s_other_planes_come_from_the_fabric() -> None:
@@ -184,6 +200,7 @@ def test_rank_0s_other_planes_come_from_the_fabric() -> None:
         ({"RANK": "4", "WORLD_SIZE": "4"}, r"rank 4 out of range .* 4 ranks \(0..3\)"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MRC_PORT": "70000"}, "port 70000 out of range"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MRC_TIMEOUT": "soon"}, "MRC_TIMEOUT='soon'"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MRC_ENDPOINT_TIMEOUT": "-1"}, "seconds > 0"),
     ],
 )
 def test_launch_env_errors(env: dict[str, str], match: str) -> None:
@@ -784,7 +801,30 @@ def test_a_hung_rank_is_named_by_the_rank_that_found_it_to_the_others() -> None:
     for got in res:
         assert got.get("type") == "CollectiveError", got
         assert got["err_rank"] == hung and "connection to rank 2 failed" in got["error"], got
+        # the transport's timeout gave up, and the error says which (it said "no progress
+        # for 30 s", the communicator's, after 5)
+        assert "(the endpoint's timeout: 5 s)" in got["error"], got
         assert got["secs"] < timeout / 2, got
+
+
+def test_a_collective_nothing_answers_names_the_communicators_timeout() -> None:
+    """Rank 1 is alive (its transport acknowledges, so no connection gives up) but never
+    makes the call: rank 0's all_reduce ends after the communicator's timeout with
+    nothing completed (STALLED, not the transport's TimeoutError), naming rank 1."""
+    uid = mrc.get_unique_id()
+    comms = in_threads([(r, 2, uid) for r in range(2)], 1.5)
+    try:
+        c0 = comms[0]
+        assert isinstance(c0, mrc.Communicator), comms
+        t0 = time.monotonic()
+        with pytest.raises(mrc.CollectiveError) as ei:
+            c0.all_reduce(np.ones(1 << 16, np.float32))
+        took = time.monotonic() - t0
+        assert ei.value.rank == 1 and ei.value.code == _datapath.STALLED, ei.value
+        assert "no progress for 1.5 s waiting for rank 1" in str(ei.value), ei.value
+        assert 1.4 < took < 5, took
+    finally:
+        close_all(comms)
 
 
 # Real collectives (the Collectives mixin of wip/coll) across processes ---------------------

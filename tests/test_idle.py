@@ -85,3 +85,60 @@ def test_a_waiting_receiver_probes_one_path_per_keepalive() -> None:
         assert min(got) >= 1 and max(got) - min(got) <= 1, f"probes per path: {got}"
         assert elapsed >= 0.25, f"4 keepalives in {elapsed * 1000:.0f} ms"
         assert not op.done
+
+
+def test_a_failed_plane_is_probed_less_and_less_and_still_heals() -> None:
+    """A plane that stays down (a pulled cable waiting for a technician) has a failed
+    path to every peer: each is probed 5 ms after it failed, then twice as long after
+    each unanswered probe, up to 200 ms, and only those probes wake the loop (was: a
+    probe every 5-10 ms per path and a 250 us timer tick for as long as the plane was
+    out: 1000 peers would be 100k+ probes a second). When the plane comes back the
+    first probe through restarts the other side's probing at the shortest gap."""
+    n = 16
+    with mrc.Endpoint(planes(2, 0)) as a, mrc.Endpoint(planes(2, 1)) as b:
+        conns = connect_many(a, b, n)
+        a.inject(1, down=True)
+        # traffic both ways on every connection: each side's plane-1 paths fail
+        size = 256 << 10
+        bufs = [(pattern(size, i), np.zeros(size, np.uint8)) for i in range(2 * n)]
+        regs = [
+            (x.register(s), y.register(d))
+            for (s, d), (x, y) in zip(bufs, [(a, b)] * n + [(b, a)] * n, strict=True)
+        ]
+        ops = [
+            ca.write(ms, md.descriptor()) for (ca, _), (ms, md) in zip(conns, regs[:n], strict=True)
+        ]
+        ops += [
+            cb.write(ms, md.descriptor()) for (_, cb), (ms, md) in zip(conns, regs[n:], strict=True)
+        ]
+        for op in ops:
+            op.wait(20)
+        assert all(sha(d) == sha(s) for s, d in bufs)
+
+        def plane1(ep: mrc.Endpoint) -> list[dict]:
+            return [p for p in ep.stats()["paths"] if p["plane"] == 1]
+
+        deadline = time.monotonic() + 10
+        while {p["state"] for p in plane1(a) + plane1(b)} != {"failed"}:
+            assert time.monotonic() < deadline, [p["state"] for p in plane1(a) + plane1(b)]
+            time.sleep(0.05)  # polling the endpoints' counters
+        time.sleep(1.6)  # the gaps grow to the cap (5 + 10 + ... + 160 ms)
+        p0 = [sum(p["probes"] for p in plane1(ep)) for ep in (a, b)]
+        i0 = iters(a, b)
+        time.sleep(1.0)
+        probes = [
+            sum(p["probes"] for p in plane1(ep)) - q for ep, q in zip((a, b), p0, strict=True)
+        ]
+        woke = iters(a, b) - i0 - 4  # the stats() calls wake the loops
+        # 200 ms apart: about 5 per path and second (a fixed 5 ms gap was 25-100)
+        assert max(probes) <= 8 * n, f"{probes} probes in 1 s on {n} failed paths per side"
+        assert woke < 40 * n, f"{woke} loop iterations in 1 s"
+
+        a.inject(1, down=False)
+        t0 = time.monotonic()
+        while {p["state"] for p in plane1(a) + plane1(b)} != {"good"}:
+            assert time.monotonic() - t0 < 5, [p["state"] for p in plane1(a) + plane1(b)]
+            time.sleep(0.01)  # polling the endpoints' counters
+        took = time.monotonic() - t0
+        # the first probe through is at most one 200 ms gap away; three answers heal
+        assert took < 1.0, f"plane 1 came back after {took:.3f} s"

@@ -316,7 +316,8 @@ def test_contiguous_tensors_are_not_copied() -> None:
 
 
 def test_one_rank_group_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A group of one: every call completes locally, in this process. MRC_STATS_SOCKET:
+    """A group of one: every call completes locally, in this process. MRC_ENDPOINT_TIMEOUT
+    reaches its endpoint. MRC_STATS_SOCKET:
     the world group serves its stats there, a later group of the process does not, and
     after destroy_process_group the next world group serves them again."""
     import torch
@@ -326,11 +327,13 @@ def test_one_rank_group_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     from mrc import telemetry
 
     monkeypatch.setenv("MRC_STATS_SOCKET", str(tmp_path / "r{rank}.sock"))
+    monkeypatch.setenv("MRC_ENDPOINT_TIMEOUT", "12")
     monkeypatch.setattr(mrc.torch, "_stats_owner", None)
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("mrc", store=store, rank=0, world_size=1)
     try:
         assert isinstance(dist.group.WORLD, mrc.torch.ProcessGroupMRC)
+        assert mrc.torch.communicator().endpoint.timeout == 12.0  # the transport's give-up
         assert telemetry.fetch(str(tmp_path / "r0.sock"))["stats"]["conns"] == 0
         sub = dist.new_group([0])
         assert mrc.torch.communicator(sub).stats_socket is None

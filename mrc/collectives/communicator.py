@@ -512,6 +512,8 @@ class Communicator(Collectives):
         for key in ("planes", "fabric", "host", "timeout", "rendezvous_addrs", "stats_socket"):
             if key in cfg and key not in kwargs:
                 kwargs[key] = cfg[key]
+        if "endpoint" in cfg:  # MRC_ENDPOINT_TIMEOUT, under the caller's endpoint options
+            kwargs["endpoint"] = {**cfg["endpoint"], **(kwargs.get("endpoint") or {})}
         routes = (os.environ if env is None else env).get("MRC_ROUTES")
         if routes and "routes" not in kwargs:
             kwargs["routes"] = routes
@@ -598,7 +600,7 @@ def launch_env(env: Mapping[str, str]) -> dict[str, Any]:
     """What from_env() builds the communicator from: rank, size, unique_id and any of
     planes (MRC_PLANES), fabric (MRC_FABRIC), host (MRC_HOST), timeout (MRC_TIMEOUT),
     rendezvous_addrs (MRC_MASTER_ADDRS, comma-separated), stats_socket
-    (MRC_STATS_SOCKET)."""
+    (MRC_STATS_SOCKET), endpoint={"timeout": MRC_ENDPOINT_TIMEOUT}."""
     for rank_var, size_var, _who in RANK_VARS:
         if rank_var in env and size_var in env:
             rank, size = _int_var(env, rank_var), _int_var(env, size_var)
@@ -632,11 +634,21 @@ def launch_env(env: Mapping[str, str]) -> dict[str, Any]:
     if env.get("MRC_STATS_SOCKET"):
         cfg["stats_socket"] = env["MRC_STATS_SOCKET"]
     if env.get("MRC_TIMEOUT"):
-        try:
-            cfg["timeout"] = float(env["MRC_TIMEOUT"])
-        except ValueError:
-            raise UsageError(f"MRC_TIMEOUT={env['MRC_TIMEOUT']!r} is not a number") from None
+        cfg["timeout"] = seconds_var(env, "MRC_TIMEOUT")
+    if env.get("MRC_ENDPOINT_TIMEOUT"):
+        cfg["endpoint"] = {"timeout": seconds_var(env, "MRC_ENDPOINT_TIMEOUT")}
     return cfg
+
+
+def seconds_var(env: Mapping[str, str], name: str) -> float:
+    """env[name] as a timeout in seconds, or a UsageError naming the variable."""
+    try:
+        secs = float(env[name])
+    except ValueError:
+        raise UsageError(f"{name}={env[name]!r} is not a number") from None
+    if not 0 < secs < 2**31 / 1000:
+        raise UsageError(f"{name}={env[name]!r}: seconds > 0 expected")
+    return secs
 
 
 def get_unique_id(addr: str | None = None, port: int = 0) -> bytes:

@@ -49,9 +49,14 @@ _MISMATCH = _datapath.MISMATCH
 _ABORTED = _datapath.ABORTED
 _ETIMEOUT = _datapath.ETIMEOUT
 _GONE = _datapath.GONE
-# Failures that are this rank's own finding about a peer (no progress, every path
-# failed, receiver not ready), not a consequence of another rank giving up.
-_FINDINGS = (_ETIMEOUT, _datapath.EPATHDOWN, _datapath.ERNR)
+_STALLED = _datapath.STALLED
+# Failures that are this rank's own finding about a peer (the run's timeout, the
+# connection's: no progress or every path failed, receiver not ready), not a
+# consequence of another rank giving up.
+_FINDINGS = (_STALLED, _ETIMEOUT, _datapath.EPATHDOWN, _datapath.ERNR)
+# The transport's own give-up (the endpoint's timeout, 5 s by default: a hung peer is
+# found long before the communicator's timeout), said as such.
+_TRANSPORT_TIMEOUTS = (_ETIMEOUT, _datapath.EPATHDOWN)
 _PLAN_CACHE = 256
 CHUNK_BYTES = 256 << 10  # the executor's default chunk (src_c/coll.c)
 SCRATCH_BUDGET = 16 << 20  # scratch rings per communicator, while 4 slots per ring fit
@@ -407,15 +412,20 @@ class Collectives:
                 rank=peer,
                 code=rc,
             )
-        elif rc == _ETIMEOUT and peer >= 0:
+        elif rc == _STALLED:
+            on = f" waiting for rank {peer}" if peer >= 0 else ""
             err = CollectiveError(
-                f"rank {r}: {what}: no progress for {self.timeout:g} s waiting for rank {peer}",
-                rank=peer,
+                f"rank {r}: {what}: no progress for {self.timeout:g} s{on}",
+                rank=peer if peer >= 0 else None,
                 code=rc,
             )
         else:
+            why = strerror(rc)
+            ep = getattr(self, "endpoint", None)
+            if rc in _TRANSPORT_TIMEOUTS and ep is not None:
+                why += f" (the endpoint's timeout: {ep.timeout:g} s)"
             err = CollectiveError(
-                f"rank {r}: {what}: connection to rank {peer} failed: {strerror(rc)}",
+                f"rank {r}: {what}: connection to rank {peer} failed: {why}",
                 rank=peer if peer >= 0 else None,
                 code=rc,
             )

@@ -139,6 +139,10 @@ def create_process_group(
     serve = bool(stats) and (_stats_owner is None or _stats_owner.closed)
     if serve:
         kw["stats_socket"] = stats  # the communicator puts its rank, the global one, in
+    if os.environ.get("MRC_ENDPOINT_TIMEOUT"):  # the transport's give-up (README)
+        from mrc.collectives.communicator import seconds_var
+
+        kw["endpoint"] = {"timeout": seconds_var(os.environ, "MRC_ENDPOINT_TIMEOUT")}
     comm = mrc.Communicator(rank, size, uid, timeout=secs, **kw)
     pg = ProcessGroupMRC(comm, rank, size, timeout)
     if serve:

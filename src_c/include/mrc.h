@@ -51,6 +51,7 @@ enum mrc_err {
     MRC_EMISMATCH = -5015, /* collectives: ranks called with different arguments */
     MRC_ENOTMRC = -5016,   /* connect: the port answered in another protocol */
     MRC_EGONE = -5017,     /* collectives: the peer closed without making this call */
+    MRC_ESTALLED = -5018,  /* collectives: nothing completed within the run's timeout */
 };
 
 const char *mrc_strerror(int rc);
@@ -418,7 +419,8 @@ struct mrc_coll_args {
     uint64_t recv_len;
     int dtype, op;       /* enum mrc_dtype, mrc_redop (op: REDUCE steps only) */
     uint32_t sig;        /* signature of the call: equal on every rank (19 bits used) */
-    int timeout_ms;      /* fail with MRC_ETIMEOUT after this long without progress */
+    int timeout_ms;      /* fail with MRC_ESTALLED after this long without progress (a
+                          * connection's own timeout fails it sooner: MRC_ETIMEOUT) */
     /* Optional: asked at most every 100 ms while the run waits without progress;
      * nonzero ends it as mrc_coll_abort would (MRC_EABORT) for this run only.
      * A binding answers whether the user interrupted the wait (Ctrl-C). */
