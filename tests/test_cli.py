@@ -213,6 +213,41 @@ def test_another_user_runs_the_tools_of_a_root_built_venv() -> None:
     assert r.stdout.startswith("ok: 2host-2plane")
 
 
+def test_rebuilds_on_import_run_one_at_a_time(tmp_path: Path) -> None:
+    """The editable build's rebuild-on-import, wrapped by tools/mrc_shared_build.py: ranks
+    importing mrc together after a source changed ran ninja in one build directory at
+    once and corrupted its deps log (every later import then rebuilt everything). Under
+    the wrap the rebuilds of 6 threads (each its own lock file descriptor, as processes
+    have) never overlap."""
+    import importlib.util
+    import threading
+
+    spec = importlib.util.spec_from_file_location("msb", ROOT / "tools" / "mrc_shared_build.py")
+    assert spec is not None and spec.loader is not None
+    msb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(msb)
+    inside, most = [0], [0]
+    guard = threading.Lock()
+
+    def rebuild() -> int:
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.02)  # a rebuild that takes a while: room for another to overlap
+        with guard:
+            inside[0] -= 1
+        return 1
+
+    locked = msb._one_at_a_time(rebuild, str(tmp_path))
+    threads = [threading.Thread(target=locked) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1, f"{most[0]} rebuilds at once"
+    assert (tmp_path / ".mrc-rebuild.lock").exists()
+
+
 def _readme_block(first_line: str) -> str:
     text = (ROOT / "README.md").read_text()
     for block in re.findall(r"```python\n(.*?)```", text, re.S):
