@@ -156,10 +156,9 @@ static void timed_unlink(mrc_ep *ep, mrc_conn *c)
 }
 
 /* c has a timer to run (ops posted, a path to probe): the loop ticks again
- * within MRC_TIMER_NS. Only connections on ep->timed are ever scanned. */
-/* c has timers due soon: on the list, and the next scan within MRC_TIMER_NS
- * (also when it is listed already, with its timers due later: a SEND posted
- * on a connection that only waited for RECVs needs its RTO scans now). */
+ * within MRC_TIMER_NS, also when c is on ep->timed already with its timers
+ * due later (a SEND posted on a connection that only waited for RECVs needs
+ * its RTO scans now). Only connections on ep->timed are ever scanned. */
 void conn_arm_timer_pt(mrc_conn *c)
 {
     mrc_ep *ep = c->ep;

@@ -225,7 +225,6 @@ void path_set_state_pt(mrc_conn *c, struct path *p, int state, uint64_t now)
     switch (state) {
     case MRC_PATH_GOOD:
         p->consec_loss = 0;
-        p->probe_gap_ns = MRC_PROBE_INTERVAL_NS;
         p->cwnd = (uint64_t)INIT_CWND_PKTS * (c->mss + MRC_PKT_OVERHEAD);
         p->ssthresh = UINT64_MAX;
         break;
