@@ -801,8 +801,8 @@ def test_a_hung_rank_is_named_by_the_rank_that_found_it_to_the_others() -> None:
     for got in res:
         assert got.get("type") == "CollectiveError", got
         assert got["err_rank"] == hung and "connection to rank 2 failed" in got["error"], got
-        # the transport's timeout gave up, and the error says which (it said "no progress
-        # for 30 s", the communicator's, after 5)
+        # the transport's timeout gave up, and the error says whose (a transport timeout
+        # used to read "no progress for" the communicator's 30 s)
         assert "(the endpoint's timeout: 5 s)" in got["error"], got
         assert got["secs"] < timeout / 2, got
 
