@@ -453,6 +453,7 @@ def test_routes_must_be_table_or_planes() -> None:
 
 
 SCALE_RANK = """
+import os
 import sys
 import mrc
 from mrc.collectives import soak
@@ -461,7 +462,7 @@ seed, calls = int(sys.argv[1]), int(sys.argv[2])
 for i in range(calls):
     c = soak.call(seed, i, comm.size, 256 << 10)
     assert soak.run(comm, seed, c), f"call {i}: {c} differs from the reference"
-print("fds", len(__import__("os").listdir("/proc/self/fd")), flush=True)
+print("fds", len(os.listdir("/proc/self/fd")), flush=True)
 comm.close()
 """
 

@@ -47,7 +47,7 @@ def _one_at_a_time(rebuild: Callable[[], object], build: str) -> Callable[[], ob
     """Ranks started together after a source changed (mrc-run -n 128 -- python x.py)
     each ran ninja in the same build directory at once: concurrent ninjas corrupted its
     .ninja_deps ("premature end of file"), after which every import rebuilt everything
-    again (a suite run went from 7 minutes to over an hour). One rebuild at a time, under
+    again (a suite run got through 24 tests in 12 minutes). One rebuild at a time, under
     a lock on the build directory: the first builds, the others find nothing to do."""
 
     def locked() -> object:
