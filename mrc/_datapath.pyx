@@ -711,6 +711,14 @@ cdef class Endpoint:
             elif isinstance(child, MemoryRegion) and (<MemoryRegion>child).mr != NULL:
                 (<MemoryRegion>child)._abandon()
                 regions.append(child)
+            elif isinstance(child, CompletionQueue) and child not in cqs:
+                (<CompletionQueue>child)._shutdown()  # made while the GIL was let go above
+                cqs.append(child)
+        # Waiters that entered a queue after the first wait above (while connections
+        # closed) return at once from a shut-down queue: none may be inside when it is
+        # freed. New ones are refused from here on (the endpoint is closed).
+        while any((<CompletionQueue>q)._busy for q in cqs):
+            time.sleep(0.001)
         with nogil:
             c.mrc_ep_destroy(ep)
         for q in cqs:
@@ -724,7 +732,8 @@ cdef class Endpoint:
 
     @property
     def closed(self) -> bool:
-        return self.ep == NULL
+        """True once close() has begun (another thread may still be inside it)."""
+        return self.ep == NULL or self._closing
 
     def __enter__(self):
         return self
@@ -874,6 +883,11 @@ cdef class MemoryRegion:
                 return
             self.mr = NULL
         self._release_view()
+
+    @property
+    def closed(self) -> bool:
+        """True once closed, or once its endpoint closed (as Connection.closed)."""
+        return self.mr == NULL
 
     def __len__(self) -> int:
         return self.size
@@ -1367,9 +1381,12 @@ cdef class CompletionQueue:
         return self._dtype
 
     cdef c.mrc_cq *_ptr(self) except NULL:
+        # The endpoint closed (or closing: it frees this queue without the GIL, and
+        # detaches it only after) comes first: a poll() racing that free read freed
+        # memory (a segfault found by tests/api_chaos.py).
+        if self.endpoint is not None and self.endpoint.closed:
+            raise errors.ConnectionClosedError("completion queue: its endpoint is closed")
         if self.cq == NULL:
-            if self.endpoint is not None and self.endpoint.closed:
-                raise errors.ConnectionClosedError("completion queue: its endpoint is closed")
             raise errors.UsageError("completion queue is closed")
         if _foreign(self.endpoint):
             raise _fork_error(self.endpoint)
@@ -1460,6 +1477,8 @@ cdef class CompletionQueue:
         if _foreign(self.endpoint):
             self._detach()  # a forked child's copy: let go
             return
+        if self.endpoint.closed:
+            return  # the endpoint's close() frees the queue (maybe right now)
         if self._busy:
             raise errors.BusyError(
                 f"Failed to close the completion queue: {self._busy} thread(s) in wait()")
