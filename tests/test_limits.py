@@ -119,3 +119,52 @@ def test_endpoint_close_with_operations_in_flight() -> None:
             assert op.done
         with pytest.raises(mrc.MrcError):
             ca.write(ms, md.descriptor())
+
+
+# Past 4 GiB: every length and offset on the way is 64 bits (wire offsets, message
+# lengths, regions, the executor's steps); a 32-bit one anywhere would wrap here.
+BIG = (1 << 32) + 12345
+PERIOD = (1 << 20) + 7  # the pattern's period: 2^32 is not a multiple, so a wrap shows
+
+
+def periodic(n: int, seed: int) -> np.ndarray:
+    return np.resize(pattern(PERIOD, seed), n)
+
+
+def same_periodic(a: np.ndarray, base: np.ndarray) -> bool:
+    """a == np.resize(base, len(a)), compared 64 MiB at a time (no second 4 GiB array)."""
+    step = 64 << 20
+    for s in range(0, len(a), step):
+        want = np.resize(np.roll(base, -(s % len(base))), min(step, len(a) - s))
+        if not np.array_equal(a[s : s + step], want):
+            return False
+    return True
+
+
+def test_messages_past_4_gib() -> None:
+    """A WRITE and a SEND of 4 GiB + 12345 bytes arrive byte for byte (8 GiB of memory)."""
+    src = periodic(BIG, 4)
+    dst = np.zeros(BIG, np.uint8)
+    with connected_pair(4) as p:
+        ms, md = p.a.register(src), p.b.register(dst)
+        p.ca.write(ms, md.descriptor()).wait(timeout=120)
+        assert same_periodic(dst, src[:PERIOD])
+        dst[:] = 0
+        r = p.cb.recv(md)
+        p.ca.send(ms).wait(timeout=120)
+        assert r.wait(timeout=120).nbytes == BIG
+        assert same_periodic(dst, src[:PERIOD])
+
+
+def test_an_all_reduce_past_4_gib() -> None:
+    """2 ranks all-reduce 4 GiB + 12345 int8 elements in place (8 GiB of memory): every
+    element is the sum of the two ranks' (int8 wraps alike in numpy and C)."""
+    from coll_helpers import mesh, ok, run_ranks
+
+    bases = [pattern(PERIOD, 10 + r).view(np.int8) for r in range(2)]
+    want = (bases[0] + bases[1]).view(np.uint8)
+    with mesh(2, timeout=120) as rs:
+        xs = [np.resize(b, BIG) for b in bases]
+        ok(run_ranks(rs, lambda rk: rk.all_reduce(xs[rk.rank])))
+        for x in xs:
+            assert same_periodic(x.view(np.uint8), want)
