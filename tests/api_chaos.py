@@ -22,7 +22,9 @@ from __future__ import annotations
 import faulthandler
 import gc
 import random
+import shutil
 import sys
+import tempfile
 import threading
 import traceback
 from collections import Counter
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 
 import mrc
+from mrc import telemetry
 
 EXPECTED = (mrc.MrcError, BufferError)
 DEBUG = False
@@ -54,6 +57,8 @@ class World:
         self.owners: list[Any] = []  # buffers handed to register, some resized later
         self.acceptors: list[threading.Thread] = []
         self.made = 0
+        self.made_socks = 0
+        self.tmp = tempfile.mkdtemp(prefix="mrc-chaos-")
         self.counts: Counter[str] = Counter()
         self.unexpected: list[str] = []
 
@@ -150,7 +155,10 @@ def act(w: World, rng: random.Random) -> str:
         if ep is None:
             return "none"
         obj = buffer(rng)
-        mr = ep.register(obj, remote_write=not isinstance(obj, bytes) and rng.random() < 0.9)
+        if isinstance(obj, np.ndarray) and rng.random() < 0.2:  # raw memory, its owner
+            mr = ep.register_address(obj.ctypes.data, obj.nbytes, obj, remote_write=True)
+        else:
+            mr = ep.register(obj, remote_write=not isinstance(obj, bytes) and rng.random() < 0.9)
         with w.lock:
             w.regions.append(mr)
             w.owners.append(obj)
@@ -271,8 +279,23 @@ def act(w: World, rng: random.Random) -> str:
         if ep is None:
             return "none"
         x = rng.random()
-        if x < 0.6:
+        if x < 0.4:
             ep.stats()
+        elif x < 0.5:
+            ep.progress_cpu_ns()
+        elif x < 0.6:
+            # The stats socket's thread reads ep.stats() while others close ep.
+            with w.lock:
+                w.made_socks += 1
+                path = f"{w.tmp}/s{w.made_socks}.sock"
+            srv = ep.serve_stats(path)
+            try:
+                doc = telemetry.fetch(path)
+                if "stats" not in doc and "error" not in doc:
+                    raise AssertionError(f"stats socket answered {doc}")
+            finally:
+                srv.close()
+            return "telemetry"
         elif x < 0.8:
             ep.inject(rng.randrange(2), loss=rng.choice([0.0, 0.0, 0.05]), down=False)
         else:
@@ -334,6 +357,7 @@ def main() -> int:
         ep.close()
     for t in w.acceptors:
         t.join()
+    shutil.rmtree(w.tmp, ignore_errors=True)
     pending = [op for op in w.all_ops if not op.done]
     for op in pending:
         w.unexpected.append(f"{op!r} still pending after every endpoint closed")
