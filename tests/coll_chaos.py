@@ -17,6 +17,7 @@ process dying by a signal. Prints one line; exit status 1 when something did not
 from __future__ import annotations
 
 import faulthandler
+import os
 import random
 import sys
 import threading
@@ -27,7 +28,7 @@ from typing import Any
 import mrc
 from mrc.collectives import soak
 
-N, CALLS, MAX_BYTES = 3, 100, 64 << 10
+N, CALLS, MAX_BYTES = int(os.environ.get("CHAOS_RANKS", 3)), 100, 64 << 10
 TIMEOUT = 5.0  # the communicator's; the endpoint's is 2 s
 FAULTS = ("abort", "close", "endpoint", "connection", "plane", "loss")
 SURVIVABLE = ("plane", "loss")

@@ -13,7 +13,11 @@ aborted, closed, has its endpoint or a connection closed, a plane pulled or made
 (no wrong result; the survivable faults end every call; the others end every rank
 sooner than the timeout). It found a rank whose own connection was closed under its
 collective failing without telling the group: a rank waiting on it waited out its
-whole communicator timeout (1 run in 3-6 with the connection fault)."""
+whole communicator timeout (1 run in 3-6 with the connection fault).
+
+tests/torch_chaos.py: the same for the torch backend's process groups (async works
+waited in random orders, some never, some through their futures; abort, shutdown, an
+endpoint closed, a plane pulled, a tiny wait): it found nothing."""
 
 from __future__ import annotations
 
@@ -58,4 +62,14 @@ CASES = [
 @pytest.mark.parametrize(("seed", "fault"), CASES)
 def test_a_fault_at_a_random_moment_under_random_collectives(seed: int, fault: str) -> None:
     res = run("coll_chaos.py", str(seed), fault, timeout=120)
+    assert f": {fault} on rank" in res.stdout, res.stdout
+
+
+TORCH_CASES = [(2, "abort"), (1, "shutdown"), (2, "endpoint"), (1, "plane"), (1, "short_wait")]
+
+
+@pytest.mark.parametrize(("seed", "fault"), TORCH_CASES)
+def test_a_fault_at_a_random_moment_under_the_torch_backend(seed: int, fault: str) -> None:
+    pytest.importorskip("torch")
+    res = run("torch_chaos.py", str(seed), fault, timeout=120)
     assert f": {fault} on rank" in res.stdout, res.stdout
