@@ -416,6 +416,34 @@ def test_port_held_by_a_stranger_is_named_at_once(banner: bytes) -> None:
         assert "said nothing for 10 s" in str(e.value)
 
 
+def test_a_stopped_rank_0_is_named_as_a_cause(monkeypatch: Any) -> None:
+    """Rank 0 stopped (SIGSTOP, a debugger) while the others start: its kernel still
+    completes their TCP handshakes and nothing answers. The error lists that cause, not
+    only a stranger on the port (which it stated as a fact before)."""
+    monkeypatch.setattr(rendezvous, "GREETING_S", 0.5)
+    token = "t" * 32
+    code = (
+        "import sys, time\n"
+        "from mrc.collectives import rendezvous\n"
+        f"s = rendezvous.RendezvousServer(rendezvous.UniqueId('127.0.0.1', 0, {token!r}))\n"
+        "print(s.uid.port, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        os.kill(proc.pid, signal.SIGSTOP)
+        with pytest.raises(mrc.CollectiveError) as e:
+            rendezvous.RendezvousClient(UniqueId("127.0.0.1", port, token), 10)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    msg = str(e.value)
+    assert e.value.rank == 0 and f"127.0.0.1 port {port}" in msg, msg
+    assert "said nothing for 0.5 s: rank 0 is stopped or too busy to answer" in msg, msg
+
+
 def test_a_silent_rendezvous_address_tries_rank_0s_others(monkeypatch: Any) -> None:
     """A connection to the rendezvous that hears nothing (its plane's path went dead
     after the TCP handshake, as a pulled cable does; here a listener that never

@@ -681,15 +681,22 @@ _RANK0_EXITED = "rank 0 exited or lost its rendezvous connection without close()
 class _Silent(Exception):
     """A connection that the server end accepted and has said nothing on."""
 
-    def __init__(self, stranger: str, wait: float) -> None:
-        super().__init__(stranger)
-        self.stranger, self.wait = stranger, wait
+    def __init__(self, where: str, wait: float) -> None:
+        super().__init__(where)
+        self.where, self.wait = where, wait
 
     def error(self, addrs: int = 1) -> CollectiveError:
-        where = "" if addrs == 1 else f" on each of {addrs} of rank 0's addresses"
+        """Silence has three causes a rank cannot tell apart, and says all three: rank 0
+        stopped (SIGSTOP, a debugger) or too busy to answer (the kernel completes the TCP
+        handshake for it), its path dead after the handshake, or a stranger on the port.
+        (It said only the stranger, as a fact, when rank 0 was stopped mid-start.)"""
+        on = "" if addrs == 1 else f" on each of {addrs} of rank 0's addresses"
         return CollectiveError(
-            f"{self.stranger}; it accepted the connection and said nothing for "
-            f"{self.wait:g} s{where} (or no packet got through to rank 0 for that long)",
+            f"the rendezvous at {self.where} accepted the connection and said nothing for "
+            f"{self.wait:g} s{on}: rank 0 is stopped or too busy to answer, no packet got "
+            "through to it for that long, or the port is held by a program that is not an "
+            "mrc rendezvous (rank 0 found the port taken in its namespace and joined whoever "
+            "listens there: free the port, or give the ranks another MRC_PORT)",
             rank=0,
         )
 
@@ -785,7 +792,7 @@ class RendezvousClient:
         try:
             msg = self._recv(time.monotonic() + wait)
         except TimeoutError:
-            raise _Silent(stranger, wait) from None
+            raise _Silent(where, wait) from None
         except ValueError:
             msg = "not JSON"  # refused below as not a greeting
         if msg is None:
