@@ -180,6 +180,18 @@ def main() -> None:
                         comm.recv(np.zeros(1 << 20, np.uint8), 1)
                 finally:
                     out["secs"] = time.monotonic() - t1
+            elif mode == "p2p_chain0":  # rank 1 sends to the held rank 0, rank 2 waits on 1
+                exchange(comm)
+                print(json.dumps({"rank": rank, "meshed": True}), flush=True)
+                sys.stdin.readline()  # the test has stopped rank 0 (and its rendezvous)
+                t1 = time.monotonic()
+                try:
+                    if rank == 1:
+                        comm.send(np.zeros(1 << 20, np.uint8), 0)
+                    else:
+                        comm.recv(np.zeros(1 << 20, np.uint8), 1)
+                finally:
+                    out["secs"] = time.monotonic() - t1
             elif mode == "survive":
                 exchange(comm)
                 t1 = time.monotonic()

@@ -835,6 +835,40 @@ def test_a_hung_rank_is_named_by_the_rank_that_found_it_to_the_others() -> None:
         assert got["secs"] < timeout / 2, got
 
 
+def test_a_hung_rank_0_is_not_blamed_on_the_rank_that_found_it() -> None:
+    """Rank 0 stops, and with it the rendezvous: rank 1, sending to it, finds every path
+    failed and names rank 0, but cannot tell the others; rank 2, waiting on a RECV from
+    rank 1 only, sees rank 1's connection close. It used to blame rank 1 (err.rank 1,
+    "connection to rank 1 failed: connection closed"); now it blames no rank and says
+    that rank 0 has been silent, which explains both."""
+    timeout = 30.0
+    port = free_port()  # from_env(): rank 0's process serves the rendezvous
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port - 1)}
+    envs = {r: {"RANK": str(r), "WORLD_SIZE": "3"} for r in range(3)}
+    procs = start_ranks("p2p_chain0", 3, "env", timeout, env, {0: "mesh_hold"}, envs)
+    try:
+        victim = procs[0]
+        assert victim.stdout is not None
+        assert json.loads(victim.stdout.readline()).get("holding")
+        for p in procs[1:]:
+            assert p.stdout is not None
+            assert json.loads(p.stdout.readline()).get("meshed")
+        os.kill(victim.pid, signal.SIGSTOP)
+        for p in procs[1:]:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        r1, r2 = results(procs[1:])
+    finally:
+        procs[0].kill()
+        procs[0].wait()
+    assert r1.get("err_rank") == 0 and "connection to rank 0 failed" in r1["error"], r1
+    assert r2.get("err_rank") is None, r2
+    assert "rank 0 (the rendezvous) has sent nothing for" in r2["error"], r2
+    for got in (r1, r2):
+        assert got["secs"] < timeout / 2, got
+
+
 def test_a_collective_nothing_answers_names_the_communicators_timeout() -> None:
     """Rank 1 is alive (its transport acknowledges, so no connection gives up) but never
     makes the call: rank 0's all_reduce ends after the communicator's timeout with

@@ -404,14 +404,29 @@ class Communicator(Collectives):
             self._failed_ev.wait(min(VERDICT_GRACE_S, self.timeout / 4))
         if self._failure is not None:
             return self._failure
+        # No verdict, and rank 0's rendezvous has been silent for several beats: the
+        # reasons of the ranks that gave up cannot reach this one, and rank 0 hanging is
+        # as likely a cause as the peer. Said, and no rank blamed: when rank 0 hung, the
+        # first rank to find it named it, and every other blamed a rank that closed its
+        # connections on giving up (7 ranks of 8, each naming an innocent one).
+        silent = 0.0
+        if self._client is not None and peer != 0:
+            silent = self._client.silent_for()
+        rank0 = silent > rendezvous.STALE_BEATS * rendezvous.heartbeat_interval(self.timeout)
+        hint = (
+            f"; rank 0 (the rendezvous) has sent nothing for {silent:.1f} s, so no rank's "
+            "reason can reach this one: rank 0 stopped or cut off would explain both"
+            if rank0
+            else ""
+        )
         if isinstance(exc, CollectiveError):
-            return exc
+            return CollectiveError(f"{exc}{hint}", rank=None, code=exc.code) if rank0 else exc
         code = int(getattr(exc, "code", 0) or 0)
         closed = " (it closed its communicator)" if peer in self._closed_ranks else ""
         return CollectiveError(
             f"rank {self.rank}: connection to rank {peer}{closed} failed: "
-            f"{type(exc).__name__}: {exc}",
-            rank=peer,
+            f"{type(exc).__name__}: {exc}{hint}",
+            rank=None if rank0 else peer,
             code=code,
         )
 

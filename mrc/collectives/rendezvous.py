@@ -738,8 +738,13 @@ class RendezvousClient:
         self._stop = threading.Event()
         self._rank: int | None = None
         self._closed = False
+        self._last_line = time.monotonic()  # the monitor's: when rank 0 last said anything
         self._monitor: threading.Thread | None = None
         _OPEN.add(self)
+
+    def silent_for(self) -> float:
+        """Seconds since rank 0's rendezvous last said anything (it beats every interval)."""
+        return time.monotonic() - self._last_line
 
     def _greeted_elsewhere(self, silent: _Silent, deadline: float) -> None:
         """The first connection heard nothing: a stranger holds the port, or that plane's
@@ -1023,7 +1028,7 @@ class RendezvousClient:
                             except ValueError:
                                 on_failed(0, "rank 0's rendezvous sent a line that is not JSON")
                                 return
-                            last_heard = time.monotonic()
+                            last_heard = self._last_line = time.monotonic()
                             rechecked = False
                             if self._closed:
                                 return
