@@ -1096,3 +1096,29 @@ def test_routes_auto_is_settled_alike_from_every_rank(
     comm.routes = "table"  # asked for: kept, whatever the ranks said
     comm._settle_routes([{"srh_offload": False}] * 3)
     assert comm.routes == "table"
+
+
+def test_the_heartbeat_interval_grows_with_the_group() -> None:
+    """1 s (or a fifth of a short timeout) up to BEAT_RANKS ranks; beyond, size/256 s, never
+    over a fifth of the timeout: rank 0's rendezvous thread took 28% of a core for an
+    idle group of 4096 ranks with 4 links each beating every second (2.3% now)."""
+    hb = rendezvous.heartbeat_interval
+    assert hb(60, 4) == hb(60, rendezvous.BEAT_RANKS) == 1.0
+    assert hb(2, 4) == hb(2, 4096) == 0.4
+    assert hb(60, 1024) == 4.0 and hb(60, 4096) == 12.0 and hb(600, 4096) == 16.0
+    # the load tool runs: a real server, 32 simulated ranks
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).parent.parent / "tools" / "rendezvous_load.py"),
+            "32",
+            "2",
+            "1",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["ranks"] == 32 and got["interval_s"] == 1.0 and got["server_core_pct"] >= 0

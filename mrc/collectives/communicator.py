@@ -412,7 +412,8 @@ class Communicator(Collectives):
         silent = 0.0
         if self._client is not None and peer != 0:
             silent = self._client.silent_for()
-        rank0 = silent > rendezvous.STALE_BEATS * rendezvous.heartbeat_interval(self.timeout)
+        beat = rendezvous.heartbeat_interval(self.timeout, self.size)
+        rank0 = silent > rendezvous.STALE_BEATS * beat
         hint = (
             f"; rank 0 (the rendezvous) has sent nothing for {silent:.1f} s, so no rank's "
             "reason can reach this one: rank 0 stopped or cut off would explain both"
