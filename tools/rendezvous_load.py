@@ -4,8 +4,9 @@ How much of a core rank 0's rendezvous thread takes once a group of RANKS is up 
 a real RendezvousServer (listening on 127.0.0.1 and LINKS - 1 more loopback addresses)
 and RANKS simulated ranks in a child process (raw sockets: join, the table, a link to
 each extra address, a heartbeat on every connection every interval, whatever the server
-sends read and dropped). Prints the interval and the server thread's CPU over SECONDS
-(default 10) of steady state. --fixed: the interval as it was before it grew with the
+sends read and dropped). Prints the set-up's time (every rank joined, the table to each, the
+links attached), the interval and the server thread's CPU over SECONDS (default 10) of
+steady state. --fixed: the interval as it was before it grew with the
 group (1 s at any size), for comparison."""
 
 from __future__ import annotations
@@ -34,14 +35,23 @@ def ranks_main(port: int, token: str, n: int, links: list[list], interval: float
     for r in range(n):
         s = socket.create_connection(("127.0.0.1", port))
         s.recv(4096)  # hello
+        info = {
+            "rank": r,
+            "host": f"h{r}",
+            "pid": 100000 + r,
+            "port": 40000 + r,
+            "planes": [f"fd00:{p}::{r + 1:x}" for p in range(4)],
+            "rates_bps": [1e9] * 4,
+            "srh_offload": None,
+        }  # a rank's, as Communicator's
         msg = {"op": "join", "version": R.VERSION, "token": token, "rank": r, "size": n,
-               "timeout": TIMEOUT, "info": {}}  # fmt: skip
+               "timeout": TIMEOUT, "info": info}  # fmt: skip
         s.sendall((json.dumps(msg) + "\n").encode())
         socks.append(s)
     for s in socks:  # the table (large): read until its line ends
-        buf = b""
-        while b'"table"' not in buf or not buf.endswith(b"\n"):
-            buf += s.recv(1 << 20)
+        parts = [s.recv(1 << 20)]
+        while not parts[-1].endswith(b"\n"):
+            parts.append(s.recv(1 << 20))
     for r in range(n):
         for addr, lport in links:
             s = socket.create_connection((addr, lport))
@@ -95,6 +105,7 @@ def main() -> None:
         interval = R.heartbeat_interval(TIMEOUT, n)
     except TypeError:  # a build from before the interval grew with the group
         interval = R.heartbeat_interval(TIMEOUT)  # type: ignore[call-arg]
+    started = time.monotonic()
     child = subprocess.Popen(
         [
             sys.executable,
@@ -111,15 +122,18 @@ def main() -> None:
     )
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "up"
+        setup = time.monotonic() - started
+        setup_cpu = thread_cpu(server._thread.native_id or 0)
         time.sleep(2 * interval)  # into the steady state (not a synchronisation)
         tid = server._thread.native_id
         assert tid is not None
         c0, t0 = thread_cpu(tid), time.monotonic()
         time.sleep(secs)
         c1, t1 = thread_cpu(tid), time.monotonic()
-        print(json.dumps({"ranks": n, "links": nlinks, "interval_s": interval,
-                          "fixed": "--fixed" in sys.argv,
-                          "server_core_pct": round(100 * (c1 - c0) / (t1 - t0), 2)}))  # fmt: skip
+        row = {"ranks": n, "links": nlinks, "interval_s": interval, "fixed": "--fixed" in sys.argv}
+        row["setup_s"], row["setup_server_cpu_s"] = round(setup, 2), round(setup_cpu, 2)
+        row["server_core_pct"] = round(100 * (c1 - c0) / (t1 - t0), 2)
+        print(json.dumps(row))
     finally:
         child.kill()
         child.wait()
