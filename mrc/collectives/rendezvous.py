@@ -216,12 +216,11 @@ def _send(sock: socket.socket, msg: dict[str, Any] | bytes) -> None:
     sock.sendall(msg if isinstance(msg, bytes) else _encode(msg))
 
 
-_HB = json.dumps({"op": "hb"}).encode()
-_HB_MSG = {"op": "hb"}
+_HB = json.dumps({"op": "hb"}).encode()  # a beat's line, as the server compares it
 
 
 def _encode(msg: dict[str, Any]) -> bytes:
-    return _HB + b"\n" if msg is _HB_MSG else (json.dumps(msg) + "\n").encode()
+    return (json.dumps(msg) + "\n").encode()
 
 
 def _offer(sock: socket.socket, msg: dict[str, Any] | bytes) -> bool:
@@ -554,7 +553,7 @@ class RendezvousServer:
                     {**msg, "waited": waited, "size": self._size, "timeout": self._timeout}
                 )
             return
-        self._broadcast(_HB_MSG)
+        self._broadcast({"op": "hb"})
         for r, p in list(self._by_rank.items()):
             if r not in self._left and not p.gone and now - p.last_seen > self._timeout:
                 self._lost(p, f"sent nothing for {now - p.last_seen:.1f} s (stopped or cut off)")
@@ -1014,7 +1013,7 @@ class RendezvousClient:
                                 sel.register(sock, selectors.EVENT_READ)
                     now = time.monotonic()
                     if now >= next_beat:
-                        self.send(_HB_MSG)
+                        self.send({"op": "hb"})
                         next_beat = now + interval
                     wait = max(0.0, min(next_beat, last_heard + self.timeout) - now)
                     if not any(b"\n" in b for b in bufs.values()):
