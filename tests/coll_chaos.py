@@ -25,6 +25,8 @@ import time
 import traceback
 from typing import Any
 
+from chaos_harness import Chaos
+
 import mrc
 from mrc.collectives import soak
 
@@ -60,30 +62,23 @@ def main() -> int:
         print(f"seed {seed}: set-up failed: {comms}")
         return 1
 
-    outcome: list[Any] = [None] * N
-    errors_at: list[float | None] = [None] * N
-    fault_at: list[float] = []
-    bad: list[str] = []
+    ch = Chaos(N, TIMEOUT, (mrc.MrcError,))
 
     def rank_main(r: int) -> None:
         done = 0
         try:
             for i in range(CALLS):
                 if not soak.run(comms[r], seed, soak.call(seed, i, N, MAX_BYTES)):
-                    bad.append(f"rank {r}: call {i} gave wrong bits")
+                    ch.bad.append(f"rank {r}: call {i} gave wrong bits")
                 done += 1
-            outcome[r] = ("done", done)
-        except mrc.MrcError as e:
-            errors_at[r] = time.monotonic()
-            outcome[r] = (type(e).__name__, done, str(e)[:200])
-        except BaseException:
-            outcome[r] = ("UNEXPECTED", done)
-            bad.append(f"rank {r}:\n{traceback.format_exc()}")
+            ch.ended(r, done)
+        except BaseException as e:  # judged by the harness: an expected error or a failure
+            ch.ended(r, done, e)
 
     def do_fault() -> None:
         time.sleep(delay)  # the fault's moment, drawn from the seed (not a synchronisation)
         c = comms[victim]
-        fault_at.append(time.monotonic())
+        ch.fault_at.append(time.monotonic())
         try:
             if fault == "abort":
                 c.abort("chaos")
@@ -100,44 +95,12 @@ def main() -> int:
         except mrc.MrcError:
             pass  # e.g. close() raising the failure it waited for
         except BaseException:
-            bad.append(f"fault {fault}:\n{traceback.format_exc()}")
+            ch.bad.append(f"fault {fault}:\n{traceback.format_exc()}")
 
-    t0 = time.monotonic()
-    ranks = [threading.Thread(target=rank_main, args=(r,)) for r in range(N)]
-    chaos = threading.Thread(target=do_fault)
-    for t in [*ranks, chaos]:
-        t.start()
-    for t in [*ranks, chaos]:
-        t.join(TIMEOUT * 4 + 30)
-        if t.is_alive():
-            bad.append("a thread still runs after 4x the timeout")
-    took = time.monotonic() - t0
-    if fault in SURVIVABLE:
-        for r, o in enumerate(outcome):
-            if o != ("done", CALLS):
-                bad.append(f"rank {r} after a {fault} fault: {o}")
-    for r, o in enumerate(outcome):
-        if o is None:
-            bad.append(f"rank {r}: no outcome")
-        at = errors_at[r]
-        if at is not None and fault_at and at - fault_at[0] >= TIMEOUT:
-            bad.append(f"rank {r} raised {at - fault_at[0]:.1f} s after the fault: {o}")
-    # Close what is left, every rank at once (close() is collective).
-    closers = [threading.Thread(target=c.close) for c in comms]
-    for t in closers:
-        t.start()
-    for t in closers:
-        t.join(TIMEOUT * 2 + 30)
-        if t.is_alive():
-            bad.append("close() still runs after 2x the timeout")
-    for b in bad:
-        print(b, file=sys.stderr)
-    summary = [o[:2] if o else o for o in outcome]
-    if "-v" in sys.argv:
-        print(outcome)
-    print(f"seed {seed}: {fault} on rank {victim} after {delay:.2f} s; {took:.1f} s; "
-          f"{summary}; {len(bad)} failed")  # fmt: skip
-    return 1 if bad else 0
+    took = ch.run(rank_main, do_fault)
+    ch.judge(fault, fault in SURVIVABLE, CALLS)
+    ch.close([c.close for c in comms], "close()")
+    return ch.report(f"seed {seed}: {fault} on rank {victim} after {delay:.2f} s", took)
 
 
 if __name__ == "__main__":

@@ -168,26 +168,15 @@ def main() -> None:
                 comm._failed_ev.wait(120)
                 if comm.failure is not None:
                     raise comm.failure
-            elif mode == "p2p_chain":  # rank 1 sends to the held rank 2, rank 0 waits on 1
+            elif mode == "p2p_chain":  # rank 1 sends to the held rank, the other waits on 1
+                hung = int(os.environ.get("HUNG_RANK", "2"))
                 exchange(comm)
                 print(json.dumps({"rank": rank, "meshed": True}), flush=True)
-                sys.stdin.readline()  # the test has stopped rank 2
+                sys.stdin.readline()  # the test has stopped the held rank
                 t1 = time.monotonic()
                 try:
                     if rank == 1:
-                        comm.send(np.zeros(1 << 20, np.uint8), 2)
-                    else:
-                        comm.recv(np.zeros(1 << 20, np.uint8), 1)
-                finally:
-                    out["secs"] = time.monotonic() - t1
-            elif mode == "p2p_chain0":  # rank 1 sends to the held rank 0, rank 2 waits on 1
-                exchange(comm)
-                print(json.dumps({"rank": rank, "meshed": True}), flush=True)
-                sys.stdin.readline()  # the test has stopped rank 0 (and its rendezvous)
-                t1 = time.monotonic()
-                try:
-                    if rank == 1:
-                        comm.send(np.zeros(1 << 20, np.uint8), 0)
+                        comm.send(np.zeros(1 << 20, np.uint8), hung)
                     else:
                         comm.recv(np.zeros(1 << 20, np.uint8), 1)
                 finally:

@@ -843,9 +843,9 @@ def test_a_hung_rank_0_is_not_blamed_on_the_rank_that_found_it() -> None:
     that rank 0 has been silent, which explains both."""
     timeout = 30.0
     port = free_port()  # from_env(): rank 0's process serves the rendezvous
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port - 1)}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port - 1), "HUNG_RANK": "0"}
     envs = {r: {"RANK": str(r), "WORLD_SIZE": "3"} for r in range(3)}
-    procs = start_ranks("p2p_chain0", 3, "env", timeout, env, {0: "mesh_hold"}, envs)
+    procs = start_ranks("p2p_chain", 3, "env", timeout, env, {0: "mesh_hold"}, envs)
     try:
         victim = procs[0]
         assert victim.stdout is not None

@@ -22,11 +22,11 @@ import random
 import sys
 import threading
 import time
-import traceback
 from datetime import timedelta
 from typing import Any
 
 import torch
+from chaos_harness import Chaos
 
 import mrc
 from mrc.torch.process_group import ProcessGroupMRC
@@ -97,11 +97,8 @@ def main() -> int:
         print(f"seed {seed}: set-up failed: {pgs}")
         return 1
 
-    outcome: list[Any] = [None] * N
-    errors_at: list[float | None] = [None] * N
-    fault_at: list[float] = []
+    ch = Chaos(N, TIMEOUT, (Exception,))
     issued: list[list[Any]] = [[] for _ in range(N)]
-    bad: list[str] = []
 
     def rank_main(r: int) -> None:
         pg, rr = pgs[r], random.Random(seed * 7 + r)
@@ -122,20 +119,16 @@ def main() -> int:
                     else:
                         w.wait()
                     if not check():
-                        bad.append(f"rank {r}: round {i} call {j} gave a wrong value")
+                        ch.bad.append(f"rank {r}: round {i} call {j} gave a wrong value")
                 done += 1
-            outcome[r] = ("done", done)
-        except Exception as e:  # the backend's errors are RuntimeErrors (MrcBackendError)
-            errors_at[r] = time.monotonic()
-            outcome[r] = (type(e).__name__, done, str(e)[:200])
-        except BaseException:
-            outcome[r] = ("UNEXPECTED", done)
-            bad.append(f"rank {r}:\n{traceback.format_exc()}")
+            ch.ended(r, done)
+        except BaseException as e:  # judged by the harness: an expected error or a failure
+            ch.ended(r, done, e)
 
     def do_fault() -> None:
         time.sleep(delay)  # the fault's moment, drawn from the seed (not a synchronisation)
         pg = pgs[victim]
-        fault_at.append(time.monotonic())
+        ch.fault_at.append(time.monotonic())
         try:
             if fault == "abort":
                 pg.abort()
@@ -151,39 +144,10 @@ def main() -> int:
         except Exception:  # noqa: BLE001 - a wait that timed out, a close that failed
             pass
 
-    t0 = time.monotonic()
-    ranks = [threading.Thread(target=rank_main, args=(r,)) for r in range(N)]
-    chaos = threading.Thread(target=do_fault)
-    for t in [*ranks, chaos]:
-        t.start()
-    for t in [*ranks, chaos]:
-        t.join(TIMEOUT * 4 + 30)
-        if t.is_alive():
-            bad.append("a thread still runs after 4x the timeout")
-    took = time.monotonic() - t0
-    for r, o in enumerate(outcome):
-        if o is None:
-            bad.append(f"rank {r}: no outcome")
-        elif fault in SURVIVABLE and o != ("done", ROUNDS):
-            bad.append(f"rank {r} after a {fault} fault: {o}")
-        at = errors_at[r]
-        if at is not None and fault_at and at - fault_at[0] >= TIMEOUT:
-            bad.append(f"rank {r} raised {at - fault_at[0]:.1f} s after the fault: {o}")
-    closers = [threading.Thread(target=pg.shutdown) for pg in pgs]
-    for t in closers:
-        t.start()
-    for t in closers:
-        t.join(TIMEOUT * 2 + 30)
-        if t.is_alive():
-            bad.append("shutdown() still runs after 2x the timeout")
-    for b in bad:
-        print(b, file=sys.stderr)
-    if "-v" in sys.argv:
-        print(outcome)
-    summary = [o[:2] if o else o for o in outcome]
-    print(f"seed {seed}: {fault} on rank {victim} after {delay:.2f} s; {took:.1f} s; "
-          f"{summary}; {len(bad)} failed")  # fmt: skip
-    return 1 if bad else 0
+    took = ch.run(rank_main, do_fault)
+    ch.judge(fault, fault in SURVIVABLE, ROUNDS)
+    ch.close([pg.shutdown for pg in pgs], "shutdown()")
+    return ch.report(f"seed {seed}: {fault} on rank {victim} after {delay:.2f} s", took)
 
 
 if __name__ == "__main__":
