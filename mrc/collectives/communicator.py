@@ -407,8 +407,9 @@ class Communicator(Collectives):
         # No verdict, and rank 0's rendezvous has been silent for several beats: the
         # reasons of the ranks that gave up cannot reach this one, and rank 0 hanging is
         # as likely a cause as the peer. Said, and no rank blamed: when rank 0 hung, the
-        # first rank to find it named it, and every other blamed a rank that closed its
-        # connections on giving up (7 ranks of 8, each naming an innocent one).
+        # ranks that found it named it, and the others blamed a rank that closed its
+        # connections on giving up (in one run 6 of the 7 survivors, each naming an
+        # innocent one).
         silent = 0.0
         if self._client is not None and peer != 0:
             silent = self._client.silent_for()
