@@ -32,8 +32,23 @@ class Chaos:
             self.outcome[r] = ("UNEXPECTED", done)
             self.bad.append(f"rank {r}:\n{traceback.format_exc()}")
 
-    def run(self, rank_main: Callable[[int], None], do_fault: Callable[[], None]) -> float:
-        """rank_main(r) on a thread per rank beside do_fault(); seconds until all ended."""
+    def run(
+        self, rank_main: Callable[[int], None], fault: Callable[[], None], delay: float
+    ) -> float:
+        """rank_main(r) on a thread per rank beside fault() `delay` seconds in (an error of
+        the kinds the ranks may raise is the fault's own, e.g. close() raising the failure
+        it waited for); seconds until all ended."""
+
+        def do_fault() -> None:
+            time.sleep(delay)  # the fault's moment, drawn from the seed (not a synchronisation)
+            self.fault_at.append(time.monotonic())
+            try:
+                fault()
+            except self.errors:
+                pass
+            except BaseException:
+                self.bad.append(f"the fault:\n{traceback.format_exc()}")
+
         t0 = time.monotonic()
         threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(self.n)]
         threads.append(threading.Thread(target=do_fault))
