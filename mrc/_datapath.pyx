@@ -634,6 +634,7 @@ cdef class Endpoint:
                 "rx_gro_reads": st.rx_gro_reads, "tx_sends": st.tx_sends,
                 "acks_carried": st.acks_carried, "busy_polls": st.busy_polls,
                 "acks_no_room": st.acks_no_room, "caller_passes": st.caller_passes,
+                "conn_bytes": st.conn_bytes,
                 "conns": st.nconns, "regions": st.nmrs, "sockets": st.nsocks,
                 "sockets_seg6route": st.nsocks_seg6route,
                 "drops": {c.mrc_drop_str(i).decode(): st.drops[i]

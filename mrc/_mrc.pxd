@@ -167,7 +167,7 @@ cdef extern from "mrc.h" nogil:
         uint64_t lost_rack, lost_rto, spurious_rto, lost_flush, probe_timeouts, link_events
         uint64_t seg6route_failures
         uint64_t loop_iters, rx_reads, rx_gro_reads, tx_sends, acks_carried, acks_no_room
-        uint64_t busy_polls, caller_passes
+        uint64_t busy_polls, caller_passes, conn_bytes
         int nconns
         int nmrs
         int npaths

@@ -62,6 +62,14 @@ int mrc_conn_add_path(mrc_conn *c, const struct mrc_path_spec *s)
         s->id >= MRC_MAX_PATHS || c->path_index[s->id] >= 0 || s->plane < 0 ||
         s->plane >= c->ep->nplanes || s->nsegs < 0 || s->nsegs > MRC_MAX_SEGS)
         return MRC_EUSAGE;
+    if (c->npaths == c->paths_cap) { /* new: nothing else holds a path yet */
+        int cap = c->paths_cap ? 2 * c->paths_cap : 4;
+        struct path *paths = realloc(c->paths, (size_t)cap * sizeof(*paths));
+        if (!paths)
+            return -ENOMEM;
+        c->paths = paths;
+        c->paths_cap = cap;
+    }
     struct path *p = &c->paths[c->npaths];
     memset(p, 0, sizeof(*p));
     if (addr_parse(s->dst, 0, &p->dst, &p->dstlen))
@@ -84,6 +92,18 @@ int mrc_conn_add_path(mrc_conn *c, const struct mrc_path_spec *s)
 }
 
 const char *mrc_conn_peer_name(const mrc_conn *c) { return c->peer_name; }
+
+uint64_t conn_bytes(const mrc_conn *c)
+{
+    uint64_t n = sizeof(*c) + (uint64_t)c->paths_cap * sizeof(*c->paths);
+    if (c->tx)
+        n += (uint64_t)c->tx_cap * (sizeof(*c->tx) + sizeof(*c->rtxq));
+    if (c->rx_bits)
+        n += c->window / 8;
+    if (c->msgs)
+        n += (uint64_t)c->msgs_cap * sizeof(*c->msgs);
+    return n;
+}
 
 int mrc_conn_npaths(const mrc_conn *c) { return c->npaths; }
 
@@ -135,6 +155,7 @@ void conn_free(mrc_conn *c)
     free(c->rtxq);
     free(c->rx_bits);
     free(c->msgs);
+    free(c->paths);
     pthread_mutex_lock(&ep->lock);
     cq_conn_unbind_locked(c);
     ep->conn_free[ep->nconn_free++] = c->slot;

@@ -32,8 +32,10 @@ static void stats_pt(mrc_ep *ep, struct ctl *x)
     st->npaths = 0;
     /* The connections the datapath knows (failed ones too, until destroyed),
      * not all MRC_SLOTS slots. */
+    st->conn_bytes = 0;
     for (mrc_conn *c = ep->pt_conns; c; c = c->pt_next) {
         st->staged_bytes += c->staged_bytes;
+        st->conn_bytes += conn_bytes(c);
         for (int i = 0; i < c->npaths && ps && st->npaths < x->iarg; i++) {
             struct path *p = &c->paths[i];
             struct mrc_path_stats *o = &ps[st->npaths++];

@@ -216,15 +216,7 @@ static int conn_activate(mrc_conn *c)
         return rc;
     /* An attempt before this one may have got this far, with another peer's
      * window: its tables go (the engine never took them). */
-    free(c->tx);
-    free(c->rtxq);
-    free(c->rx_bits);
-    free(c->msgs);
-    c->tx = calloc(c->window, sizeof(*c->tx));
-    c->rtxq = calloc(c->window, sizeof(*c->rtxq));
-    c->rx_bits = calloc(c->window / 64, sizeof(uint64_t));
-    c->msgs = calloc(MRC_MSGW, sizeof(*c->msgs));
-    if (!c->tx || !c->rtxq || !c->rx_bits || !c->msgs)
+    if (tx_alloc(c) || rx_alloc(c))
         return -ENOMEM;
     c->last_progress_ns = now_ns();
     struct ctl x = {.type = CTL_CONN_ADD, .arg = c};

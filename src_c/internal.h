@@ -29,6 +29,8 @@
 #define MRC_SLOTS 65536u        /* connection and region ids: (random << 16) | slot */
 #define MRC_BATCH 64            /* packets per sendmmsg/recvmmsg */
 #define MRC_MSGW 1024u          /* messages in flight per connection */
+#define MRC_TX_CAP0 256u        /* a connection's first tx ring (packets), then doubled */
+#define MRC_MSGS_CAP0 16u       /* its first message table, then doubled */
 #define MRC_RX_SLOT 65536u     /* bytes per receive slot: a whole UDP GRO read */
 /* Plane sockets plus route sockets, one per (plane, segments before the
  * destination): 256 spine routes are more than any fabric in routing/ has. */
@@ -291,7 +293,10 @@ struct mrc_conn {
     int npaths;
     int ka_path;   /* [pt] the path whose turn it is for the next keepalive probe */
     uint64_t ka_sent_ns; /* [pt] when the last keepalive probe left, any path */
-    struct path paths[MRC_MAX_PATHS];
+    /* Only as many as the connection has (mrc_conn_add_path grows it while
+     * the connection is new): 64 inline were 39 KiB of every connection. */
+    struct path *paths;
+    int paths_cap;
     int path_index[MRC_MAX_PATHS]; /* wire path id -> index in paths[], -1 none */
     bool active_listed, in_ackq, closing_sent;
     struct mrc_conn *next_active, *next_ack;
@@ -299,13 +304,17 @@ struct mrc_conn {
     bool timed;                  /* on ep->timed: has timers to run (engine_timers) */
     struct mrc_conn *next_timed;
 
-    /* transmit */
+    /* transmit. The tx ring and the retransmit queue hold tx_cap entries, a
+     * power of two that starts small and doubles (tx_grow_pt) while packets
+     * in flight fill it, up to the window: a connection costs what it uses,
+     * not 176 KiB for a window of 4096 whether it sends or not. */
     struct tx_pkt *tx;
+    uint32_t tx_cap, tx_mask;
     uint32_t una, next_psn, highest_acked;
     uint32_t next_msn;
     mrc_op *txops_head, *txops_tail; /* posted WRITE/SEND, msn order */
     mrc_op *seg_op;                  /* first op with bytes not yet sent */
-    uint32_t *rtxq;                  /* psns to retransmit, ring of window */
+    uint32_t *rtxq;                  /* psns to retransmit, ring of tx_cap */
     uint32_t rtx_head, rtx_count;
     int rr;
     /* New data goes to a path in bursts of up to `burst` packets (what one
@@ -324,7 +333,8 @@ struct mrc_conn {
     uint32_t rx_cum;          /* every psn below is received */
     uint64_t *rx_bits;        /* window bits, psn % window */
     uint32_t rx_deliver_msn;
-    struct rx_msg *msgs;      /* MRC_MSGW */
+    struct rx_msg *msgs;      /* msgs_cap (<= MRC_MSGW), grown as messages arrive */
+    uint32_t msgs_cap;
     mrc_op *recvq_head, *recvq_tail;     /* posted RECVs */
     struct staged_msg *unexp_head, *unexp_tail;
     uint64_t staged_bytes;    /* all staged SEND bytes */
@@ -510,6 +520,7 @@ void ep_unref(mrc_ep *ep);
 void op_unref(mrc_op *op);
 void ep_hold_pt(mrc_ep *ep, bool force);
 void conn_free(mrc_conn *c);
+uint64_t conn_bytes(const mrc_conn *c);
 /* handshake.c */
 void hs_free(mrc_ep *ep);
 void ep_ctl_run_pt(mrc_ep *ep, struct ctl *c);
@@ -551,11 +562,13 @@ void tx_on_nak_pt(mrc_conn *c, struct path *p, const struct mrc_hdr *h,
                   const struct mrc_nak_ext *n);
 void tx_on_close_cum_pt(mrc_conn *c, uint32_t cum, uint64_t now);
 void tx_lose_pt(mrc_conn *c, struct tx_pkt *t);
+int tx_alloc(mrc_conn *c);
 void tx_timers_pt(mrc_conn *c, uint64_t now);
 void tx_flush_path_pt(mrc_conn *c, struct path *p);
 void tx_release_pt(mrc_conn *c, int err);
 
 /* rx.c */
+int rx_alloc(mrc_conn *c);
 void rx_packet_pt(mrc_ep *ep, int plane, const struct sockaddr_storage *from, uint8_t *buf,
                   size_t len, uint64_t now);
 void rx_flush_acks_pt(mrc_ep *ep, uint64_t now);

@@ -39,6 +39,44 @@ static inline uint64_t rx_bits64(const mrc_conn *c, uint32_t psn)
     return lo | c->rx_bits[(w + 1) & (c->wmask >> 6)] << (64 - s);
 }
 
+/* The receive window's bits (window / 8 bytes) and a first message table
+ * (an attempt to connect before this one may have left another peer's). */
+int rx_alloc(mrc_conn *c)
+{
+    free(c->rx_bits);
+    free(c->msgs);
+    c->msgs_cap = MRC_MSGS_CAP0;
+    c->rx_bits = calloc(c->window / 64, sizeof(uint64_t));
+    c->msgs = calloc(c->msgs_cap, sizeof(*c->msgs));
+    return c->rx_bits && c->msgs ? 0 : -ENOMEM;
+}
+
+static inline struct rx_msg *rx_msg_at(mrc_conn *c, uint32_t msn)
+{
+    return &c->msgs[msn & (c->msgs_cap - 1)];
+}
+
+/* Message msn, msn - rx_deliver_msn < MRC_MSGW, arrived beyond the table:
+ * doubled until it fits, every message in progress moved to its new place.
+ * Messages in progress lie in [rx_deliver_msn, + msgs_cap) (delivery clears
+ * an entry), so no two share a place in the larger table either. */
+static int rx_msgs_grow_pt(mrc_conn *c, uint32_t msn)
+{
+    uint32_t cap = c->msgs_cap;
+    while (msn - c->rx_deliver_msn >= cap)
+        cap *= 2;
+    struct rx_msg *msgs = calloc(cap, sizeof(*msgs));
+    if (!msgs)
+        return -ENOMEM;
+    for (uint32_t i = 0; i < c->msgs_cap; i++)
+        if (c->msgs[i].used)
+            msgs[c->msgs[i].msn & (cap - 1)] = c->msgs[i];
+    free(c->msgs);
+    c->msgs = msgs;
+    c->msgs_cap = cap;
+    return 0;
+}
+
 /* An ACK's SACK block: bit i says psn base + i arrived, for the psns from the
  * cumulative ack (base >= rx_cum) up to the end of the window; a word at a
  * time (a bit at a time was the most expensive step of sending an ACK). */
@@ -276,7 +314,7 @@ static mrc_op *rx_bind_recv(mrc_conn *c, struct rx_msg *m)
     if (!c->recvq_head)
         return NULL;
     for (uint32_t msn = c->rx_deliver_msn; msn != m->msn; msn++) {
-        struct rx_msg *e = &c->msgs[msn % MRC_MSGW];
+        struct rx_msg *e = rx_msg_at(c, msn);
         if (!e->used || e->msn != msn)
             return NULL;
         if (e->type != MRC_PKT_SEND || e->recv)
@@ -297,7 +335,7 @@ static mrc_op *rx_bind_recv(mrc_conn *c, struct rx_msg *m)
 static void rx_deliver_pt(mrc_conn *c)
 {
     for (;;) {
-        struct rx_msg *m = &c->msgs[c->rx_deliver_msn % MRC_MSGW];
+        struct rx_msg *m = rx_msg_at(c, c->rx_deliver_msn);
         if (!m->used || m->msn != c->rx_deliver_msn || !m->have_last ||
             !psn_lt(m->last_psn, c->rx_cum))
             break;
@@ -423,7 +461,11 @@ static void rx_data_pt(mrc_conn *c, const struct mrc_hdr *h, const uint8_t *payl
         DROP(ep, BAD_MSG);
         return;
     }
-    struct rx_msg *m = &c->msgs[d->msn % MRC_MSGW];
+    if (d->msn - c->rx_deliver_msn >= c->msgs_cap && rx_msgs_grow_pt(c, d->msn)) {
+        DROP(ep, NO_BUFFER); /* no memory for it now: the sender sends it again */
+        return;
+    }
+    struct rx_msg *m = rx_msg_at(c, d->msn);
     if (m->used && (m->msn != d->msn || m->type != h->type || m->msg_len != d->msg_len ||
                     m->key != d->key || m->imm != d->imm)) {
         DROP(ep, BAD_MSG);
@@ -777,7 +819,7 @@ void rx_release_pt(mrc_conn *c, int err)
         op_complete_pt(c->ep, op, err);
     }
     if (c->msgs) {
-        for (uint32_t i = 0; i < MRC_MSGW; i++) {
+        for (uint32_t i = 0; i < c->msgs_cap; i++) {
             struct rx_msg *m = &c->msgs[i];
             if (m->recv)
                 op_complete_pt(c->ep, m->recv, err);

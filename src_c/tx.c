@@ -3,18 +3,61 @@
  * processing, loss detection and retransmission on another path.
  *
  * Every packet of a connection takes the next connection-wide PSN and is
- * remembered in the tx ring (psn % window) until acknowledged. Payload is not
+ * remembered in the tx ring (psn % tx_cap) until acknowledged. Payload is not
  * copied: a retransmission reads the caller's region again, which is why an
  * operation's local buffer must stay untouched until it completes (as with
  * RDMA verbs).
  */
 #include "internal.h"
 
+#include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline struct tx_pkt *tx_slot(mrc_conn *c, uint32_t psn)
 {
-    return &c->tx[psn & c->wmask];
+    return &c->tx[psn & c->tx_mask];
+}
+
+/* The connection's first tx ring and retransmit queue (an attempt to
+ * connect before this one may have left another peer's). */
+int tx_alloc(mrc_conn *c)
+{
+    free(c->tx);
+    free(c->rtxq);
+    c->tx_cap = c->window < MRC_TX_CAP0 ? c->window : MRC_TX_CAP0;
+    c->tx_mask = c->tx_cap - 1;
+    c->tx = calloc(c->tx_cap, sizeof(*c->tx));
+    c->rtxq = calloc(c->tx_cap, sizeof(*c->rtxq));
+    return c->tx && c->rtxq ? 0 : -ENOMEM;
+}
+
+/* Packets in flight fill the ring and the window allows more: twice the
+ * room, each packet moved to its new slot, the queue to the front of its
+ * new ring. Fails only for want of memory, and then the connection goes on
+ * within the ring it has. */
+static int tx_grow_pt(mrc_conn *c)
+{
+    uint32_t cap = c->tx_cap * 2, mask = cap - 1;
+    struct tx_pkt *tx = calloc(cap, sizeof(*tx));
+    uint32_t *rtxq = calloc(cap, sizeof(*rtxq));
+    if (!tx || !rtxq) {
+        free(tx);
+        free(rtxq);
+        return -ENOMEM;
+    }
+    for (uint32_t psn = c->una; psn != c->next_psn; psn++)
+        tx[psn & mask] = *tx_slot(c, psn);
+    for (uint32_t k = 0; k < c->rtx_count; k++)
+        rtxq[k] = c->rtxq[(c->rtx_head + k) & c->tx_mask];
+    free(c->tx);
+    free(c->rtxq);
+    c->tx = tx;
+    c->rtxq = rtxq;
+    c->tx_cap = cap;
+    c->tx_mask = mask;
+    c->rtx_head = 0;
+    return 0;
 }
 
 void tx_post_pt(mrc_conn *c, mrc_op *op)
@@ -111,7 +154,7 @@ static bool tx_retransmit_pt(mrc_conn *c, uint64_t now)
     while (c->rtx_count) {
         struct tx_pkt *t = tx_waiting(c, c->rtxq[c->rtx_head]);
         if (!t) {
-            c->rtx_head = (c->rtx_head + 1) & c->wmask;
+            c->rtx_head = (c->rtx_head + 1) & c->tx_mask;
             c->rtx_count--;
             continue;
         }
@@ -120,7 +163,7 @@ static bool tx_retransmit_pt(mrc_conn *c, uint64_t now)
         if (!p || sock_batch_full_pt(c->ep, p->sock))
             break;
         tx_resend_pt(c, t, p, now);
-        c->rtx_head = (c->rtx_head + 1) & c->wmask;
+        c->rtx_head = (c->rtx_head + 1) & c->tx_mask;
         c->rtx_count--;
         sent = true;
     }
@@ -141,7 +184,7 @@ static bool tx_rnr_probe_pt(mrc_conn *c, uint64_t now)
     c->rnr_until = now + c->rnr_backoff;
     struct tx_pkt *t = tx_waiting(c, c->una);
     for (uint32_t k = 0; !t && k < c->rtx_count; k++)
-        t = tx_waiting(c, c->rtxq[(c->rtx_head + k) & c->wmask]);
+        t = tx_waiting(c, c->rtxq[(c->rtx_head + k) & c->tx_mask]);
     if (!t) { /* nothing refused waits to go again: new data may go */
         c->rnr_backoff = c->rnr_until = 0;
         return false;
@@ -173,7 +216,8 @@ bool tx_run_pt(mrc_conn *c)
         return sent; /* losses first: new data waits behind them */
     while (c->seg_op) {
         mrc_op *op = c->seg_op;
-        if ((uint32_t)(c->next_psn - c->una) >= c->window)
+        if ((uint32_t)(c->next_psn - c->una) >= c->tx_cap &&
+            (c->tx_cap >= c->window || tx_grow_pt(c)))
             break;
         /* The receiver tracks MRC_MSGW messages; never send beyond them. */
         if (op->msn - c->txops_head->msn >= MRC_MSGW)
@@ -207,6 +251,29 @@ bool tx_run_pt(mrc_conn *c)
     return sent;
 }
 
+/* Drops the queue's stale and repeated entries. A packet sent again out of
+ * turn (the receiver-not-ready probe) leaves its entry behind, and a refusal
+ * of the probe queues it once more: round after round of refusals grew the
+ * queue past its ring, which wrote over waiting packets' entries, and those
+ * were never sent again (the connection failed at its timeout once the
+ * receiver was ready). What waits is at most what is in flight, so after
+ * this there is room for one more. */
+static void rtxq_compact_pt(mrc_conn *c)
+{
+    uint32_t n = 0;
+    for (uint32_t k = 0; k < c->rtx_count; k++) {
+        uint32_t psn = c->rtxq[(c->rtx_head + k) & c->tx_mask];
+        struct tx_pkt *t = tx_waiting(c, psn);
+        if (!t || t->lost != 1)
+            continue;
+        t->lost = 2; /* kept: another entry for it is a repeat */
+        c->rtxq[(c->rtx_head + n++) & c->tx_mask] = psn;
+    }
+    for (uint32_t k = 0; k < n; k++)
+        tx_slot(c, c->rtxq[(c->rtx_head + k) & c->tx_mask])->lost = 1;
+    c->rtx_count = n;
+}
+
 /* Queues t for retransmission; `lost`: it counts as lost on its path (a
  * refusal by a receiver that is not ready does not). */
 static void tx_requeue_pt(mrc_conn *c, struct tx_pkt *t, bool lost)
@@ -216,8 +283,10 @@ static void tx_requeue_pt(mrc_conn *c, struct tx_pkt *t, bool lost)
         p->inflight -= t->len + MRC_PKT_OVERHEAD;
         p->lost += lost;
     }
+    if (c->rtx_count >= c->tx_cap)
+        rtxq_compact_pt(c); /* before t counts as waiting */
     t->lost = 1;
-    c->rtxq[(c->rtx_head + c->rtx_count) & c->wmask] = t->psn;
+    c->rtxq[(c->rtx_head + c->rtx_count) & c->tx_mask] = t->psn;
     c->rtx_count++;
 }
 
@@ -503,7 +572,7 @@ void tx_release_pt(mrc_conn *c, int err)
     c->seg_op = NULL;
     c->rtx_count = 0;
     if (c->tx)
-        memset(c->tx, 0, sizeof(*c->tx) * c->window);
+        memset(c->tx, 0, sizeof(*c->tx) * c->tx_cap);
     for (int i = 0; i < c->npaths; i++)
         c->paths[i].inflight = 0;
     c->una = c->next_psn;

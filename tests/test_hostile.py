@@ -353,6 +353,31 @@ def test_send_packets_must_follow_from_their_psn() -> None:
 
 
 @needs_root
+def test_messages_far_out_of_order_grow_the_table() -> None:
+    """A connection's message table starts at 16 entries and doubles as messages
+    arrive ahead of one still missing (up to the 1024 a sender may have open): 200
+    one-packet SENDs injected last first are all held (no drop), the table grows, and
+    when the first arrives every RECV completes in order with its own bytes."""
+    n = 200
+    with live() as lv:
+        nxt, msn = lv.last.psn + 1, lv.last[ms.MRCData].msn + 1
+        dst = np.zeros((n, 16), np.uint8)
+        md = lv.p.b.register(dst)
+        recvs = [lv.p.cb.recv(md, offset=16 * i, length=16, tag=0x5EED) for i in range(n)]
+        table_before = lv.p.b.stats()["conn_bytes"]
+        for i in reversed(range(n)):
+            pkt = write_pkt(lv.b_conn, nxt + i, msn + i, 0x5EED, 0, bytes([i]) * 16, kind=2)
+            assert inject(lv.p.b, pkt, A_ADDR) == {}
+            if i == 1:  # 199 held behind the first: 256 entries (72 bytes each)
+                assert lv.p.b.stats()["conn_bytes"] - table_before >= (256 - 16) * 64
+                assert not any(r.done for r in recvs)
+        for r in recvs:
+            r.wait(timeout=10)
+        assert np.array_equal(dst, np.repeat(np.arange(n, dtype=np.uint8)[:, None], 16, 1))
+        assert lv.p.cb.error is None
+
+
+@needs_root
 def test_packet_from_a_stranger_is_refused() -> None:
     """A perfectly valid WRITE (right conn, key, PSN) from a host that is not the peer."""
     with live() as lv:

@@ -3,6 +3,7 @@ remote access checks, garbage input, peer failure, errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -256,6 +257,49 @@ def test_garbage_is_dropped_and_counted_during_transfer() -> None:
         assert drops["bad_version"] + drops["bad_type"] > 0
 
 
+CONN_COST = textwrap.dedent(
+    """
+    import json, threading, mrc, numpy as np
+    def rss():
+        return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS"))
+    n = 256
+    a = mrc.Endpoint(["127.0.0.1", "127.0.0.2"])
+    b = mrc.Endpoint(["127.0.1.1", "127.0.1.2"])
+    port = b.listen()
+    before = rss()
+    acc = []
+    t = threading.Thread(target=lambda: [acc.append(b.accept(timeout=30)) for _ in range(n)])
+    t.start()
+    cs = [a.connect(["127.0.1.1", "127.0.1.2"], port) for _ in range(n)]
+    t.join()
+    out = {"rss_kib_per_pair": (rss() - before) / n, "table": b.stats()["conn_bytes"] / n}
+    src = np.arange(32 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    idle = a.stats()["conn_bytes"]
+    md = b.register(dst)
+    cs[0].write(a.register(src), md.descriptor()).wait(timeout=60)
+    out["grown"] = a.stats()["conn_bytes"] - idle
+    out["exact"] = bool(np.array_equal(src, dst))
+    print(json.dumps(out))
+    """
+)
+
+
+def test_a_connection_costs_what_it_uses() -> None:
+    """A connection's tables (tx ring, retransmit queue, message table, paths) start
+    small and grow with the traffic, up to the window: 256 idle connections between
+    two endpoints cost about 20 KiB each per side, where the whole tables for a window
+    of 4096 took 205-250 KiB of RSS per pair (what a rank with a direct schedule keeps
+    for every other rank). A large write grows its sender's ring and stays exact."""
+    r = subprocess.run([sys.executable, "-c", CONN_COST], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["table"] < 24 << 10, got
+    assert got["rss_kib_per_pair"] < 100, got
+    assert got["exact"] and 0 <= got["grown"] <= 4096 * 44, got
+
+
 PEER = textwrap.dedent(
     """
     import sys, mrc, numpy as np
@@ -463,6 +507,30 @@ def test_receiver_that_stops_reading_makes_the_sender_wait() -> None:
         assert sha(dst) == sha(src)
         assert p.b.stats()["staged_bytes"] == 0
         assert p.a.stats()["rnr_ready"] >= 1
+
+
+def test_a_window_refused_round_after_round_loses_no_packet() -> None:
+    """Regression: every packet in flight refused (receiver not ready), then round
+    after round of refused probes. Each refusal queued the probe again while its old
+    entry stayed, and once the retransmit queue held more entries than its ring the
+    newest wrote over a waiting packet's: that packet was never sent again, and when
+    the receiver posted its RECVs the SEND failed at the timeout instead ("no progress
+    on any path"; window 64, 66 refusals were enough). The queue now drops stale and
+    repeated entries when full."""
+    with connected_pair(2, window=64, max_unexpected=1 << 16, timeout=2.0,
+                        rnr_timeout=None) as p:
+        msg, n = 256 << 10, 8  # 256 packets, 64 in flight at a time
+        src, dst = pattern(msg * n, 31), np.zeros(msg * n, np.uint8)
+        ms, md = p.a.register(src), p.b.register(dst)
+        sends = [p.ca.send(ms, offset=i * msg, length=msg, tag=4) for i in range(n)]
+        deadline = time.monotonic() + 20
+        while p.a.stats()["rnr_naks"] < 80 and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling an external observation: the sender's counter
+        assert p.a.stats()["rnr_naks"] >= 80
+        recvs = [p.cb.recv(md, offset=i * msg, length=msg, tag=4) for i in range(n)]
+        for op in sends + recvs:
+            op.wait(timeout=30)
+        assert sha(dst) == sha(src)
 
 
 def test_receiver_not_ready_blames_no_path() -> None:

@@ -544,6 +544,9 @@ struct mrc_ep_stats {
     uint64_t busy_polls;     /* looks at the sockets instead of a sleep (mrc_ep_busy_poll) */
     uint64_t caller_passes;  /* progress passes run by a caller holding the progress
                               * (mrc_ep_progress) */
+    uint64_t conn_bytes;     /* memory the connections' own state takes (the connection,
+                              * its paths, tx ring, retransmit queue, receive window and
+                              * message table: the tables grow as traffic needs them) */
     int nconns;
     int nmrs;       /* memory regions registered (collectives keep their users' a while) */
     int npaths;     /* entries filled in paths[] */

@@ -27,6 +27,8 @@ static struct path *setup(void)
     c = calloc(1, sizeof(*c));
     c->ep = ep;
     c->mss = 8192;
+    c->paths_cap = MRC_MAX_PATHS;
+    c->paths = calloc(MRC_MAX_PATHS, sizeof(*c->paths));
     c->npaths = 1;
     for (int i = 0; i < MRC_MAX_PATHS; i++)
         c->path_index[i] = -1;
@@ -41,6 +43,7 @@ static void teardown(void)
 {
     free(ep->socks[0]);
     free(ep);
+    free(c->paths);
     free(c);
 }
 
@@ -155,6 +158,8 @@ static void setup_paths(int n)
     }
     c->window = 1024;
     c->wmask = 1023;
+    c->tx_cap = c->window; /* the tests that use a tx ring allocate it whole */
+    c->tx_mask = c->wmask;
     c->rx_bits = calloc(1024 / 64, sizeof(uint64_t));
 }
 
@@ -456,6 +461,111 @@ static void test_bursts_per_path(void)
     teardown();
 }
 
+/* The tx ring starts small and doubles while packets in flight fill it, up
+ * to the window; every packet in flight keeps its place (psn % tx_cap). */
+static void test_tx_ring_grows_with_packets_in_flight(void)
+{
+    enum { NPKT = 200, NPATHS = 8 }; /* 25 per path: no socket batch fills */
+    setup_paths(NPATHS);
+    c->tx_cap = 16;
+    c->tx_mask = 15;
+    c->tx = calloc(c->tx_cap, sizeof(*c->tx));
+    c->rtxq = calloc(c->tx_cap, sizeof(*c->rtxq));
+    for (int i = 0; i < NPATHS; i++)
+        c->paths[i].cwnd = 1ull << 30;
+    static uint8_t payload[NPKT * 8192];
+    mrc_mr mr = {.addr = payload, .len = sizeof(payload)};
+    mrc_op *op = calloc(1, sizeof(*op));
+    op->kind = MRC_OP_SEND;
+    op->mr = &mr;
+    op->len = sizeof(payload);
+    c->una = c->next_psn = 0xfffffff0u; /* the PSN wraps on the way */
+    tx_post_pt(c, op);
+    CHECK(tx_run_pt(c));
+    CHECK(c->next_psn - c->una == NPKT && c->tx_cap == 256 && c->tx_mask == 255);
+    for (uint32_t k = 0; k < NPKT; k++) {
+        const struct tx_pkt *t = &c->tx[(c->una + k) & c->tx_mask];
+        CHECK(t->op == op && t->psn == c->una + k && t->off == k * 8192ull);
+    }
+    /* At the window it stops growing and sending. */
+    c->window = 256;
+    static uint8_t more[100 * 8192];
+    mrc_mr mr2 = {.addr = more, .len = sizeof(more)};
+    mrc_op *op2 = calloc(1, sizeof(*op2));
+    op2->kind = MRC_OP_SEND;
+    op2->mr = &mr2;
+    op2->len = sizeof(more);
+    tx_post_pt(c, op2);
+    for (int s = 0; s < ep->nsocks; s++)
+        ep->socks[s]->batch.n = 0;
+    CHECK(tx_run_pt(c) && c->next_psn - c->una == 256 && c->tx_cap == 256);
+    CHECK(!tx_run_pt(c) && c->next_psn - c->una == 256 && !op2->seg_done);
+    for (int s = 0; s < ep->nsocks; s++)
+        ep->socks[s]->batch.n = 0;
+    free(c->tx);
+    free(c->rtxq);
+    free(op);
+    free(op2);
+    teardown_paths();
+}
+
+/* Round after round of refused probes: the probe is the oldest packet, sent
+ * out of turn with its queue entry left behind, and its refusal queues it
+ * again. With every packet in flight refused, the queue held as many
+ * entries as its ring, and each round wrote one more over a waiting
+ * packet's entry: that packet was never sent again and the connection
+ * failed at its timeout once the receiver was ready (a 2 MiB SEND at
+ * window 64, found by measuring the tables grown on demand). */
+static void test_rnr_rounds_keep_every_packet_queued(void)
+{
+    enum { CAP = 16 };
+    setup_paths(1);
+    c->tx_cap = CAP;
+    c->tx_mask = CAP - 1;
+    c->tx = calloc(CAP, sizeof(*c->tx));
+    c->rtxq = calloc(CAP, sizeof(*c->rtxq));
+    static uint8_t payload[CAP * 8192];
+    mrc_mr mr = {.addr = payload, .len = sizeof(payload)};
+    mrc_op *op = calloc(1, sizeof(*op));
+    op->kind = MRC_OP_SEND;
+    op->mr = &mr;
+    op->len = sizeof(payload);
+    op->seg_off = op->len;
+    op->seg_done = true;
+    uint64_t t0 = now_ns();
+    c->una = 0;
+    c->next_psn = CAP;
+    for (uint32_t psn = 0; psn < CAP; psn++)
+        c->tx[psn] = (struct tx_pkt){
+            .op = op, .psn = psn, .off = psn * 8192u, .len = 8192, .sent_ns = t0 - MS};
+    c->paths[0].inflight = CAP * (8192 + MRC_PKT_OVERHEAD);
+    struct mrc_hdr h = {.type = MRC_PKT_NAK, .path = 0};
+    struct mrc_nak_ext n = {.msn = 0, .code = MRC_NAK_RNR};
+    for (uint32_t psn = 0; psn < CAP; psn++) {
+        h.psn = psn;
+        tx_on_nak_pt(c, &c->paths[0], &h, &n);
+    }
+    CHECK(c->rtx_count == CAP);
+    for (int round = 0; round < 3 * CAP; round++) {
+        c->rnr_until = 0; /* the back-off is over: the oldest asks again */
+        ep->socks[0]->batch.n = 0;
+        CHECK(tx_run_pt(c) && !c->tx[0].lost);
+        h.psn = 0;
+        tx_on_nak_pt(c, &c->paths[0], &h, &n); /* refused again */
+    }
+    CHECK(c->rtx_count <= CAP);
+    bool queued[CAP] = {false};
+    for (uint32_t k = 0; k < c->rtx_count; k++)
+        queued[c->rtxq[(c->rtx_head + k) & c->tx_mask] & c->tx_mask] = true;
+    for (uint32_t psn = 0; psn < CAP; psn++)
+        CHECK(queued[psn] && c->tx[psn].lost == 1);
+    ep->socks[0]->batch.n = 0;
+    free(c->tx);
+    free(c->rtxq);
+    free(op);
+    teardown_paths();
+}
+
 /* Receiver not ready. A window refused together is one round: its NAKs set
  * the back-off once (1 ms), not once each (they took the first refusal
  * straight to 64 ms); a packet sent after that and refused again doubles it.
@@ -557,6 +667,8 @@ int main(void)
     test_congestion_is_one_way();
     test_bursts_per_path();
     test_rnr_rounds_and_ready();
+    test_rnr_rounds_keep_every_packet_queued();
+    test_tx_ring_grows_with_packets_in_flight();
     DONE("test_path");
     return 0;
 }
