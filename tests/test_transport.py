@@ -291,8 +291,9 @@ def test_a_connection_costs_what_it_uses() -> None:
     two endpoints cost about 20 KiB each per side, where the whole tables for a window
     of 4096 took 205-250 KiB of RSS per pair (what a rank with a direct schedule keeps
     for every other rank). A large write grows its sender's ring and stays exact."""
-    r = subprocess.run([sys.executable, "-c", CONN_COST], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", CONN_COST], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["table"] < 24 << 10, got
@@ -517,8 +518,7 @@ def test_a_window_refused_round_after_round_loses_no_packet() -> None:
     the receiver posted its RECVs the SEND failed at the timeout instead ("no progress
     on any path"; window 64, 66 refusals were enough). The queue now drops stale and
     repeated entries when full."""
-    with connected_pair(2, window=64, max_unexpected=1 << 16, timeout=2.0,
-                        rnr_timeout=None) as p:
+    with connected_pair(2, window=64, max_unexpected=1 << 16, timeout=2.0, rnr_timeout=None) as p:
         msg, n = 256 << 10, 8  # 256 packets, 64 in flight at a time
         src, dst = pattern(msg * n, 31), np.zeros(msg * n, np.uint8)
         ms, md = p.a.register(src), p.b.register(dst)
