@@ -49,7 +49,7 @@ def test_kernels_match_numpy(dtype: str, op: str) -> None:
 # ---- every collective x op x dtype ------------------------------------------
 
 
-@pytest.mark.parametrize("algo", ["direct", "gather"])
+@pytest.mark.parametrize("algo", ["direct", "gather", "chain"])
 def test_all_reduce_every_op_and_dtype(ranks, algo: str) -> None:
     n = len(ranks)
     case = 0
@@ -87,6 +87,30 @@ def test_auto_gathers_up_to_the_threshold_for_its_rank_count(ranks) -> None:
         got = ok(run_ranks(ranks, go))
         ref = bits(M.reference(ins, "float32", "sum"))
         assert all(bits(o) == ref and sched == want for o, sched in got), (count, want)
+
+
+def test_mrc_algo_sets_what_auto_means(monkeypatch: Any) -> None:
+    """MRC_ALGO (NCCL_ALGO's counterpart, for callers that cannot pass algo, such as
+    the torch backend) makes algo="auto" one algorithm at every size; a value that is
+    none of them is refused where the communicator is made, naming the variable."""
+    monkeypatch.setenv("MRC_ALGO", "chain")
+    with mesh(3) as rs:
+        for count in (1, 100_000):
+            ins = [data("float32", count, 9 + r) for r in range(3)]
+
+            def go(rk, ins=ins):
+                out = rk.all_reduce(ins[rk.rank].copy())
+                return out, rk.collective_stats()
+
+            got = ok(run_ranks(rs, go))
+            ref = bits(M.reference(ins, "float32", "sum"))
+            assert all(bits(o) == ref for o, _ in got)
+            assert all(st["last"]["schedule"] == "all_reduce_chain" for _, st in got)
+            assert got[0][1]["all_reduce_algo"] == "chain"
+    monkeypatch.setenv("MRC_ALGO", "ring")
+    with pytest.raises(UsageError, match="MRC_ALGO .*'ring'.*chain"):
+        with mesh(2):
+            pass
 
 
 def test_reduce_and_reduce_scatter(ranks) -> None:
@@ -214,6 +238,32 @@ def test_chunk_sizes_and_shares_give_identical_bits() -> None:
     assert st["ops"] == 1 and st["by_kind"] == {"all_reduce": 1}  # the last mesh's
     assert st["last"]["share_bounds"] == [0, 0, count // 4, count // 2, count]
     assert st["scratch_bytes"] == 3 * 3 * 1000 and st["failure"] is None
+
+
+def test_chain_gives_the_same_bits_at_any_chunk_size_and_under_loss() -> None:
+    """The chain folds each element hop by hop up the ranks (bfloat16 rounded at every
+    hop, as a REDUCE rounds at every source), so it gives the direct schedule's bits:
+    many chunks through a 2-slot ring, in place and out of place, with 5% loss on a
+    plane of every rank."""
+    n = 5
+    for dtype, count in (("float32", 300_001), ("bfloat16", 200_003), ("int32", 70_001)):
+        ins = [data(dtype, count, 7 * r + 1) for r in range(n)]
+        want = bits(M.reference(ins, dtype, "sum"))
+        for chunk, slots, loss in ((0, 0, 0.0), (4096, 2, 0.05)):
+            with mesh(n, chunk_bytes=chunk, slots=slots, timeout=30) as rs:
+                for rk in rs:
+                    rk.endpoint.inject(0, loss=loss)
+                dt = "bfloat16" if dtype == "bfloat16" else None
+
+                def go(rk, ins=ins, dt=dt):
+                    a, b = ins[rk.rank].copy(), ins[rk.rank].copy()
+                    out = rk.all_reduce(a, np.empty_like(a), dtype=dt, algo="chain")
+                    rk.all_reduce(b, dtype=dt, algo="chain")  # in place
+                    direct = rk.all_reduce(ins[rk.rank].copy(), dtype=dt, algo="direct")
+                    return out, b, direct
+
+                for r, got in enumerate(ok(run_ranks(rs, go))):
+                    assert all(bits(g) == want for g in got), f"{dtype} chunk {chunk} rank {r}"
 
 
 def test_scratch_slots_follow_the_budget() -> None:

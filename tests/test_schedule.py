@@ -27,7 +27,7 @@ def run(schedules, ins, outs, op="sum", dtype="float32", seed=0, chunk=8):
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 @pytest.mark.parametrize("count", [0, 1, 13])
 @pytest.mark.parametrize("in_place", [False, True])
-@pytest.mark.parametrize("shares", [None, "ramp", "zero", "gather"])
+@pytest.mark.parametrize("shares", [None, "ramp", "zero", "gather", "chain"])
 def test_all_reduce_any_order_same_bits(n, count, in_place, shares) -> None:
     sh = None if shares is None else [float(k + 1) for k in range(n)]
     if shares == "zero":
@@ -37,8 +37,8 @@ def test_all_reduce_any_order_same_bits(n, count, in_place, shares) -> None:
     for seed in range(3):
         ins = [x.view(np.uint8).copy() for x in xs]
         outs = ins if in_place else [np.zeros_like(i) for i in ins]
-        algo = "gather" if shares == "gather" else "direct"
-        if algo == "gather":
+        algo = shares if shares in ("gather", "chain") else "direct"
+        if algo != "direct":
             sh = None
         sch = [S.all_reduce(r, n, count, 4, shares=sh, avg=True, algo=algo) for r in range(n)]
         run(sch, ins, outs, op="avg", seed=seed)

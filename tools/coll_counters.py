@@ -12,11 +12,14 @@ the UDP6 counters (RcvbufErrors: socket overflow) and the qdisc drops of every
 namespace of the fabric. Drops zero with duplicates about lost_rto means the timeouts
 were spurious: slow, not lost.
 MRC_ROUTES=planes in the environment: one plain-IPv6 path per plane instead of the route
-table's SRv6 paths (mrc.Communicator's routes).
+table's SRv6 paths (mrc.Communicator's routes); MRC_ALGO=chain (or direct, gather): that
+all_reduce algorithm; FAIL=h1-p1l0[,LINK...]: those links failed before the ranks start
+(h1's plane 1: the resilient schedule's case).
 
 Run inside a rank (by itself): coll_counters.py --rank SIZES ITERS."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -121,6 +124,8 @@ def main() -> None:
     sizes = [int(s) for s in (args[0] if args else "8,1048576,67108864").split(",")]
     iters = int(args[1]) if len(args) > 1 else 3
     with fabric_up(args[2] if len(args) > 2 else FABRIC) as fab:
+        for link in filter(None, os.environ.get("FAIL", "").split(",")):
+            fab.fail(link)
         before = host_counters(fab)
         cmd = [sys.executable, "-m", "mrc.run", "-n", "4", "--fabric", fab.file]
         cmd += ["--name", fab.prefix, "--timeout", "120", "--"]

@@ -15,6 +15,7 @@ call raises the same error.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -65,6 +66,7 @@ SLOTS_MIN, SLOTS_MAX = 4, 16
 # was no faster (241 ms against 238-246, the degraded runs of scratch_slots) and staged
 # no less (coll_memory: 5.5-17.5 MiB per rank against 1.0-14.5).
 WINDOW = 4
+ALL_REDUCE_ALGOS = ("auto", "direct", "gather", "chain")
 # Small calls (send + recv within the executor's 256 KiB bounce slots): the progress
 # thread polls for this long from each one's start instead of sleeping, and calls of up
 # to 4 KiB run the progress on the calling thread that long instead (MRC_BUSY_POLL_US;
@@ -247,6 +249,7 @@ class Collectives:
     chunk_bytes: int = 0  # 0: the executor's default (256 KiB)
     slots: int = 0  # scratch slots per ring, the pipeline depth and lag; 0: scratch_slots()
     busy_poll_us: int | None = None  # None: MRC_BUSY_POLL_US, else BUSY_POLL_US
+    all_reduce_algo: str | None = None  # what algo="auto" means; None: MRC_ALGO, else "auto"
 
     # -- life (called by the communicator) --
     def _collectives_init(self) -> None:
@@ -256,6 +259,13 @@ class Collectives:
             self.busy_poll_us = env_int("MRC_BUSY_POLL_US", BUSY_POLL_US)
         if not 0 <= self.busy_poll_us <= 1_000_000:
             raise UsageError(f"busy_poll_us = {self.busy_poll_us}: must be 0 to 1000000")
+        if self.all_reduce_algo is None:
+            self.all_reduce_algo = os.environ.get("MRC_ALGO", "") or "auto"
+        if self.all_reduce_algo not in ALL_REDUCE_ALGOS:
+            raise UsageError(
+                f"MRC_ALGO (or all_reduce_algo) = {self.all_reduce_algo!r}: must be one of "
+                + ", ".join(ALL_REDUCE_ALGOS)
+            )
         self._coll_exec = CollExecutor(
             self.endpoint,
             self.rank,
@@ -388,6 +398,7 @@ class Collectives:
             st["last"] = {"call": what, "schedule": packed.name, "seconds": seconds, **packed.info}
         st["scratch_bytes"] = self._coll_exec.scratch_bytes
         st["busy_poll_us"] = self.busy_poll_us
+        st["all_reduce_algo"] = self.all_reduce_algo
         st["failure"] = None if self._coll_failure is None else str(self._coll_failure)
         return st
 
@@ -513,7 +524,9 @@ class Collectives:
         recv None: in place. shares: each rank's fraction of the elements it
         reduces (the same on every rank; default equal). algo: "direct"
         (reduce-scatter + all-gather), "gather" (everyone sends everyone its
-        input: one exchange, for small messages) or "auto" (gather without shares up
+        input: one exchange, for small messages), "chain" (the partial result up the
+        ranks in order and the result back down: two neighbours per rank, for many
+        ranks) or "auto" (gather without shares up
         to schedule.gather_max_bytes(n): 96 KiB at 4 ranks, 27 KiB at 8, 11 KiB at
         16); every algo gives the same bits. Returns recv."""
         repeat_key = None  # the call's shape, when it may be remembered (_remember)
@@ -533,10 +546,14 @@ class Collectives:
         if sh is not None and len(sh) != self.size:
             raise UsageError(f"all_reduce: shares has {len(sh)} entries for {self.size} ranks")
         if algo == "auto":
+            algo = self.all_reduce_algo or "auto"
+        if algo == "auto":
             small = s.count * s.esize <= S.gather_max_bytes(self.size) and sh is None
             algo = "gather" if small else "direct"
-        if algo not in ("direct", "gather"):
-            raise UsageError(f"all_reduce: algo must be auto, direct or gather, got {algo!r}")
+        if algo not in ALL_REDUCE_ALGOS:
+            raise UsageError(
+                f"all_reduce: algo must be one of {', '.join(ALL_REDUCE_ALGOS)}, got {algo!r}"
+            )
         what = f"all_reduce of {s.count} {s.dtype} ({op})"
         out = send if recv is None else recv
         resilience = getattr(self, "_resilience", None)

@@ -319,8 +319,10 @@ def all_reduce(
     nbytes = count * esize
     if algo == "gather":
         return _all_reduce_gather(rank, n, nbytes, avg)
+    if algo == "chain":
+        return _all_reduce_chain(rank, n, nbytes, avg)
     if algo != "direct":
-        raise UsageError(f"all_reduce algorithm must be direct or gather, got {algo!r}")
+        raise UsageError(f"all_reduce algorithm must be direct, gather or chain, got {algo!r}")
     sch = Schedule("all_reduce", rank, n, nbytes, nbytes)
     if n == 1:
         sch.reduce(Ref(BUF_RECV, 0), [Ref(BUF_SEND, 0)], nbytes, (), avg)
@@ -375,6 +377,34 @@ def _all_reduce_gather(rank: int, n: int, nbytes: int, avg: bool) -> Schedule:
     srcs = [Ref(BUF_SEND, 0) if i == rank else rings[i] for i in range(n)]
     # In place the destination is the buffer being sent: wait for the sends.
     sch.reduce(Ref(BUF_RECV, 0), srcs, nbytes, recvs + sends, avg)
+    return sch
+
+
+def _all_reduce_chain(rank: int, n: int, nbytes: int, avg: bool) -> Schedule:
+    """Pipelined chain: the partial result goes up the chain 0 -> 1 -> ... -> n-1,
+    each rank adding its own input to what it received (so every element is
+    folded in rank order, as the other algorithms fold it), and the result comes
+    back down n-1 -> ... -> 0, chunk by chunk, both directions at once. A rank
+    talks to two neighbours only: no (n-1)-way incast, one scratch ring, 2x the
+    bytes out per rank (direct: 2(n-1)/n x) and about 2n chunk hops of pipeline
+    fill. For many ranks, where the direct schedule's fan-out is what costs."""
+    sch = Schedule("all_reduce_chain", rank, n, nbytes, nbytes)
+    send, recv = Ref(BUF_SEND, 0), Ref(BUF_RECV, 0)
+    if n == 1:
+        sch.reduce(recv, [send], nbytes, (), avg)
+        return sch
+    if rank == 0:
+        up = sch.send(1, send, nbytes)
+        # In place, recv is the buffer being sent up: each chunk waits for its send.
+        sch.recv(1, recv, nbytes, [up])
+        return sch
+    partial = sch.ring()
+    got = sch.recv(rank - 1, partial, nbytes)
+    folded = sch.reduce(recv, [partial, send], nbytes, [got], avg and rank == n - 1)
+    if rank < n - 1:
+        up = sch.send(rank + 1, recv, nbytes, [folded])
+        folded = sch.recv(rank + 1, recv, nbytes, [up])  # the result, over the partial
+    sch.send(rank - 1, recv, nbytes, [folded])
     return sch
 
 
