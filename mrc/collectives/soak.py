@@ -29,6 +29,7 @@ KINDS = (
     "all_to_allv",
     "barrier",
     "async_all_reduce",
+    "chain_all_reduce",
 )
 ESIZE = {"int8": 1, "uint8": 1, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
          "float32": 4, "float64": 8}  # fmt: skip
@@ -115,11 +116,12 @@ def run(comm: Any, seed: int, c: Call) -> bool:
     if c.kind == "barrier":
         comm.barrier()
         return True
-    if c.kind == "all_reduce":
+    if c.kind in ("all_reduce", "chain_all_reduce"):
         ins = [inp(r, c.count) for r in range(n)]
         mine = ins[rank].copy()
         out = None if c.in_place else np.empty_like(mine)
-        got = comm.all_reduce(mine, out, op=c.op, dtype=dt)
+        algo = "chain" if c.kind == "chain_all_reduce" else "auto"
+        got = comm.all_reduce(mine, out, op=c.op, dtype=dt, algo=algo)
         return bits(got) == bits(M.reference(ins, c.dtype, c.op))
     if c.kind == "async_all_reduce":
         batch = [[inp(r, c.count, j) for r in range(n)] for j in range(ASYNC_BATCH)]
