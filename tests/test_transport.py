@@ -523,10 +523,7 @@ def test_a_window_refused_round_after_round_loses_no_packet() -> None:
         src, dst = pattern(msg * n, 31), np.zeros(msg * n, np.uint8)
         ms, md = p.a.register(src), p.b.register(dst)
         sends = [p.ca.send(ms, offset=i * msg, length=msg, tag=4) for i in range(n)]
-        deadline = time.monotonic() + 20
-        while p.a.stats()["rnr_naks"] < 80 and time.monotonic() < deadline:
-            time.sleep(0.01)  # polling an external observation: the sender's counter
-        assert p.a.stats()["rnr_naks"] >= 80
+        wait_for(lambda: p.a.stats()["rnr_naks"] >= 80, timeout=20, what="80 refusals")
         recvs = [p.cb.recv(md, offset=i * msg, length=msg, tag=4) for i in range(n)]
         for op in sends + recvs:
             op.wait(timeout=30)

@@ -461,6 +461,17 @@ static void test_bursts_per_path(void)
     teardown();
 }
 
+/* A SEND of len bytes from payload (a region of its own), for the tx tests. */
+static mrc_op *send_op(mrc_mr *mr, uint8_t *payload, uint64_t len)
+{
+    *mr = (mrc_mr){.addr = payload, .len = len};
+    mrc_op *op = calloc(1, sizeof(*op));
+    op->kind = MRC_OP_SEND;
+    op->mr = mr;
+    op->len = len;
+    return op;
+}
+
 /* The tx ring starts small and doubles while packets in flight fill it, up
  * to the window; every packet in flight keeps its place (psn % tx_cap). */
 static void test_tx_ring_grows_with_packets_in_flight(void)
@@ -474,11 +485,8 @@ static void test_tx_ring_grows_with_packets_in_flight(void)
     for (int i = 0; i < NPATHS; i++)
         c->paths[i].cwnd = 1ull << 30;
     static uint8_t payload[NPKT * 8192];
-    mrc_mr mr = {.addr = payload, .len = sizeof(payload)};
-    mrc_op *op = calloc(1, sizeof(*op));
-    op->kind = MRC_OP_SEND;
-    op->mr = &mr;
-    op->len = sizeof(payload);
+    mrc_mr mr;
+    mrc_op *op = send_op(&mr, payload, sizeof(payload));
     c->una = c->next_psn = 0xfffffff0u; /* the PSN wraps on the way */
     tx_post_pt(c, op);
     CHECK(tx_run_pt(c));
@@ -490,11 +498,8 @@ static void test_tx_ring_grows_with_packets_in_flight(void)
     /* At the window it stops growing and sending. */
     c->window = 256;
     static uint8_t more[100 * 8192];
-    mrc_mr mr2 = {.addr = more, .len = sizeof(more)};
-    mrc_op *op2 = calloc(1, sizeof(*op2));
-    op2->kind = MRC_OP_SEND;
-    op2->mr = &mr2;
-    op2->len = sizeof(more);
+    mrc_mr mr2;
+    mrc_op *op2 = send_op(&mr2, more, sizeof(more));
     tx_post_pt(c, op2);
     for (int s = 0; s < ep->nsocks; s++)
         ep->socks[s]->batch.n = 0;
@@ -525,11 +530,8 @@ static void test_rnr_rounds_keep_every_packet_queued(void)
     c->tx = calloc(CAP, sizeof(*c->tx));
     c->rtxq = calloc(CAP, sizeof(*c->rtxq));
     static uint8_t payload[CAP * 8192];
-    mrc_mr mr = {.addr = payload, .len = sizeof(payload)};
-    mrc_op *op = calloc(1, sizeof(*op));
-    op->kind = MRC_OP_SEND;
-    op->mr = &mr;
-    op->len = sizeof(payload);
+    mrc_mr mr;
+    mrc_op *op = send_op(&mr, payload, sizeof(payload));
     op->seg_off = op->len;
     op->seg_done = true;
     uint64_t t0 = now_ns();
@@ -577,11 +579,8 @@ static void test_rnr_rounds_and_ready(void)
     c->tx = calloc(c->window, sizeof(*c->tx));
     c->rtxq = calloc(c->window, sizeof(*c->rtxq));
     static uint8_t payload[10 * 8192];
-    mrc_mr mr = {.addr = payload, .len = sizeof(payload)};
-    mrc_op *op = calloc(1, sizeof(*op));
-    op->kind = MRC_OP_SEND;
-    op->mr = &mr;
-    op->len = sizeof(payload);
+    mrc_mr mr;
+    mrc_op *op = send_op(&mr, payload, sizeof(payload));
     op->seg_off = op->len; /* all of it sent */
     op->seg_done = true;
     uint64_t t0 = now_ns();
