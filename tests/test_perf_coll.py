@@ -4,6 +4,7 @@ collectives are in) all_reduce under mrc-run printing nccl-tests' table with #wr
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -114,6 +115,7 @@ def test_all_reduce_table_under_mrc_run(tmp_path: Path) -> None:
         text=True,
         timeout=120,
         cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k != "MRC_ALGO"},
     )
     assert res.returncode == 0, res.stdout + res.stderr
     table = [x for x in res.stdout.splitlines() if x.startswith("[0] ")]
@@ -126,3 +128,4 @@ def test_all_reduce_table_under_mrc_run(tmp_path: Path) -> None:
     assert any("# Avg bus bandwidth" in x for x in table)
     data = json.loads(out_json.read_text())
     assert data["wrong"] == 0 and data["ranks"] == 3 and data["busbw_factor"] == 4 / 3
+    assert data["algo"] == "auto" and "[0] # all_reduce algorithm: auto (MRC_ALGO)" in table

@@ -384,6 +384,9 @@ def run_perf(
     reduces = coll in ("all_reduce", "reduce", "reduce_scatter")
     rows: list[dict[str, Any]] = []
     echo(f"# mrc-perf {coll}: {n} ranks, iters {iters}, warmup {warmup}, check {int(check)}")
+    algo = getattr(comm, "all_reduce_algo", None) if coll == "all_reduce" else None
+    if algo is not None:
+        echo(f"# all_reduce algorithm: {algo} (MRC_ALGO)")
     echo(header(coll))
     for nbytes in size_list:
         row: dict[str, Any] = {}
@@ -425,6 +428,7 @@ def run_perf(
         "warmup": warmup,
         "check": check,
         "busbw_factor": factor,
+        "algo": algo,
         "rows": rows,
         "wrong": nwrong,
         "avg_busbw": avg,
