@@ -107,6 +107,14 @@ def test_mrc_algo_sets_what_auto_means(monkeypatch: Any) -> None:
             assert all(bits(o) == ref for o, _ in got)
             assert all(st["last"]["schedule"] == "all_reduce_chain" for _, st in got)
             assert got[0][1]["all_reduce_algo"] == "chain"
+        # shares= are the direct schedule's: they take it over MRC_ALGO, and an explicit
+        # other algo with them is refused
+        x = data("float32", 10, 1)
+        got = ok(run_ranks(rs, lambda rk: rk.all_reduce(x.copy(), shares=[1, 1, 2])))
+        assert bits(got[0]) == bits(M.reference([x] * 3, "float32", "sum"))
+        assert rs[0].collective_stats()["last"]["schedule"] == "all_reduce"
+        with pytest.raises(UsageError, match="shares= is for the direct schedule, not 'chain'"):
+            rs[0].all_reduce(x.copy(), shares=[1, 1, 2], algo="chain")
     monkeypatch.setenv("MRC_ALGO", "ring")
     with pytest.raises(UsageError, match="MRC_ALGO .*'ring'.*chain"):
         with mesh(2):

@@ -545,7 +545,7 @@ class Collectives:
         sh = None if shares is None else tuple(float(x) for x in shares)
         if sh is not None and len(sh) != self.size:
             raise UsageError(f"all_reduce: shares has {len(sh)} entries for {self.size} ranks")
-        if algo == "auto":
+        if algo == "auto" and sh is None:  # shares are the direct schedule's
             algo = self.all_reduce_algo or "auto"
         if algo == "auto":
             small = s.count * s.esize <= S.gather_max_bytes(self.size) and sh is None
@@ -554,6 +554,8 @@ class Collectives:
             raise UsageError(
                 f"all_reduce: algo must be one of {', '.join(ALL_REDUCE_ALGOS)}, got {algo!r}"
             )
+        if sh is not None and algo != "direct":
+            raise UsageError(f"all_reduce: shares= is for the direct schedule, not {algo!r}")
         what = f"all_reduce of {s.count} {s.dtype} ({op})"
         out = send if recv is None else recv
         resilience = getattr(self, "_resilience", None)
