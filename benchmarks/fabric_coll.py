@@ -38,14 +38,19 @@ NICS = "nic0,nic1,nic2,nic3"
 PY = sys.executable
 
 
+def ensure_torch() -> None:
+    """torch (Gloo's peer) in this venv: the pinned CPU wheel, installed when missing."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        subprocess.run([PY, "-m", "pip", "install", "-q", TORCH], check=True)
+
+
 def setup_peers() -> dict[str, str]:
     """Install what the peers need (in the benchmark, never in `make test`): torch (Gloo)
     into this venv, Open MPI from Debian, mpi4py built against it. Returns versions."""
     pip = [PY, "-m", "pip", "install", "-q"]
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        subprocess.run([*pip, TORCH], check=True)
+    ensure_torch()
     ensure_tool("mpirun", "openmpi-bin")
     ensure_tool("mpicc", "libopenmpi-dev")
     try:

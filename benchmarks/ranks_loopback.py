@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import click
 from common import RESULTS, load_note, record_load, save
+from fabric_coll import PY, ensure_torch, stream, worker_args
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "coll_worker.py"
 FRAMEWORKS = {
     "mrc_direct": ("mrc", {"MRC_ALGO": "direct"}),
     "mrc_chain": ("mrc", {"MRC_ALGO": "chain"}),
@@ -37,19 +34,12 @@ FRAMEWORKS = {
 
 def run_point(fw: str, n: int, sizes: list[int], iters: int) -> dict[int, dict[str, Any]]:
     backend, extra = FRAMEWORKS[fw]
-    cmd = [sys.executable, "-m", "mrc.run", "-n", str(n), "--timeout", "600", "--"]
-    cmd += [sys.executable, str(WORKER), backend, "all_reduce"]
-    cmd += ["--sizes", ",".join(map(str, sizes)), "--iters", str(iters), "--warmup", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", **extra}
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    rows: dict[int, dict[str, Any]] = {}
-    for line in r.stdout.splitlines():
-        text = line.split("] ", 1)[-1]  # mrc-run prefixes each line with the rank
-        if text.startswith("{") and '"size"' in text:
-            row = json.loads(text)
-            rows[int(row["size"])] = row
-    if r.returncode or len(rows) != len(sizes):
-        raise SystemExit(f"{fw} at {n} ranks failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    worker, *args = worker_args("all_reduce", sizes, iters, 1)
+    cmd = [PY, "-m", "mrc.run", "-n", str(n), "--timeout", "600", "--", PY, worker, backend, *args]
+    run = stream(cmd, {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", **extra})
+    rows = {int(row["size"]): row for row in run.rows if "size" in row}
+    if run.status != "ok" or len(rows) != len(sizes):
+        raise SystemExit(f"{fw} at {n} ranks: {run.status}, {run.message}")
     if any(row["wrong"] for row in rows.values()):
         raise SystemExit(f"{fw} at {n} ranks: wrong results {rows}")
     return rows
@@ -85,6 +75,7 @@ def plot(data: dict[str, Any], out: Path) -> None:
 @click.option("--iters", default=5, show_default=True)
 def main(ranks: str, sizes: str, iters: int) -> None:
     record_load()
+    ensure_torch()
     size_list = [int(s) for s in sizes.split(",")]
     points = []
     for n in (int(x) for x in ranks.split(",")):
