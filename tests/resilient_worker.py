@@ -86,6 +86,7 @@ def main() -> None:
         "schedules": schedules,
         "planes": {str(k): v for k, v in planes.items()},
         "stats": comm.stats()["resilient"],
+        "auto_layout": comm.collective_stats()["auto_layout"],
     }
     comm.close()
     print(json.dumps(result), flush=True)

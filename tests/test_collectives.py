@@ -89,6 +89,36 @@ def test_auto_gathers_up_to_the_threshold_for_its_rank_count(ranks) -> None:
         assert all(bits(o) == ref and sched == want for o, sched in got), (count, want)
 
 
+def test_auto_takes_the_chain_where_ranks_share_hosts() -> None:
+    """Past gather's sizes "auto" asks model.layout_algo: ranks two per host (a, a, b, b)
+    run the chain, ranks one per host direct, and explicit algo="direct" stays direct;
+    the same bits every time. Ranks that know no hosts (these meshes, by default) run
+    direct; collective_stats says what auto ran and why."""
+    n = 4
+    count = S.gather_max_bytes(n) // 4 + 1000
+    ins = [data("float32", count, 70 + r) for r in range(n)]
+    ref = bits(M.reference(ins, "float32", "sum"))
+    for hosts, algo, want in (
+        (None, "auto", "all_reduce"),
+        ("aabb", "auto", "all_reduce_chain"),
+        ("aabb", "direct", "all_reduce"),
+        ("abcd", "auto", "all_reduce"),
+    ):
+        with mesh(n) as rs:  # a communicator's hosts are set once, where it is made
+            for rk in rs:
+                rk.hosts = None if hosts is None else list(hosts)
+
+            def go(rk, algo=algo):
+                out = rk.all_reduce(ins[rk.rank], np.empty_like(ins[rk.rank]), algo=algo)
+                return out, rk.collective_stats()
+
+            got = ok(run_ranks(rs, go))
+            assert all(bits(o) == ref for o, _ in got), (hosts, algo)
+            assert [st["last"]["schedule"] for _, st in got] == [want] * n, (hosts, algo)
+    layout = got[0][1]["auto_layout"]  # one rank per host: 2 D against 1.5 D
+    assert layout["algo"] == "direct" and "chain 1.33 x direct's" in layout["why"]
+
+
 def test_mrc_algo_sets_what_auto_means(monkeypatch: Any) -> None:
     """MRC_ALGO (NCCL_ALGO's counterpart, for callers that cannot pass algo, such as
     the torch backend) makes algo="auto" one algorithm at every size; a value that is

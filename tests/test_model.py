@@ -152,6 +152,66 @@ def test_direct_bytes_per_rank() -> None:
     assert got == pytest.approx([1.2, 1.2] + [1.6] * 6)
 
 
+LAYOUTS = (
+    "abcd", "aabb", "aabbccdd", "aaaabbbb", "abab", "aaab", "aabbbccd", "aaaaaaaa", "abcdefgh",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("hosts", LAYOUTS)
+@pytest.mark.parametrize("algo", ("direct", "chain"))
+def test_host_bytes_are_what_the_schedules_send(hosts: str, algo: str) -> None:
+    """model.host_bytes against the real schedules: every rank's SEND and RECV steps to a
+    rank on another host, summed per host (equal shares, and shares 1:2:3:...)."""
+    from mrc.collectives import schedule as S
+
+    n, count = len(hosts), 7 * 64 * 9 * 5  # divides by every share sum below
+    for shares in (None, [float(r + 1) for r in range(n)]):
+        if shares is not None and algo == "chain":
+            continue
+        norm = None if shares is None else [v / sum(shares) for v in shares]
+        sent = dict.fromkeys(hosts, 0)
+        recv = dict.fromkeys(hosts, 0)
+        for r in range(n):
+            sch = S.all_reduce(r, n, count, 1, shares=norm, algo=algo)
+            for st in sch.steps:
+                if st.kind in (S.SEND, S.RECV) and hosts[st.peer] != hosts[r]:
+                    (sent if st.kind == S.SEND else recv)[hosts[r]] += st.length
+        want = m.host_bytes(list(hosts), algo, norm)
+        for h in set(hosts):
+            assert sent[h] / count == pytest.approx(want[h][0], abs=0.01), (h, algo, shares)
+            assert recv[h] / count == pytest.approx(want[h][1], abs=0.01), (h, algo, shares)
+
+
+def test_layout_picks_the_chain_where_hosts_carry_less() -> None:
+    """all_reduce "auto" past gather's sizes: the chain where ranks share hosts in runs
+    (its busiest host link <= CHAIN_GAIN of direct's), direct with one rank per host,
+    with ranks interleaved across hosts, with 2 ranks, and past CHAIN_MAX_RANKS; on one
+    host from CHAIN_ONE_HOST_RANKS ranks. A lost plane moves it by the links' rates."""
+    pick = {h: m.layout_algo(list(h))[0] for h in LAYOUTS + ("ab", "aa")}
+    assert pick == {
+        "abcd": "direct", "aabb": "chain", "aabbccdd": "chain", "aaaabbbb": "chain",
+        "abab": "direct", "aaab": "chain", "aabbbccd": "chain", "aaaaaaaa": "chain",
+        "abcdefgh": "direct", "ab": "direct", "aa": "direct",
+    }  # fmt: skip
+    assert m.layout_algo(list("aaaaaaa"))[0] == "direct"  # 7 < CHAIN_ONE_HOST_RANKS
+    big = [f"h{r // 2}" for r in range(m.CHAIN_MAX_RANKS + 2)]
+    assert m.layout_algo(big[: m.CHAIN_MAX_RANKS])[0] == "chain"
+    assert m.layout_algo(big) == ("direct", f"more than {m.CHAIN_MAX_RANKS} ranks")
+    # 2 of 4 planes lost on host b: the chain waits on b (1 D at half rate) and direct,
+    # even with shares that spare b, still has 2 D to cross somewhere.
+    rates = [4.0, 4.0, 2.0, 2.0]
+    algo, why = m.layout_algo(list("aabb"), None, rates, rates)
+    assert algo == "chain" and "0.50 x direct's" in why
+    # One rank per host with one rank's plane lost: direct (and its shares) stays.
+    rates = [4.0, 3.0, 4.0, 4.0]
+    shares = m.shares(rates, rates)
+    assert m.layout_algo(list("abcd"), shares, rates, rates)[0] == "direct"
+    with pytest.raises(UsageError, match="direct or chain"):
+        m.host_bytes(list("ab"), "ring")
+    with pytest.raises(UsageError, match="3 rates for 4 ranks"):
+        m.host_link_time(list("aabb"), "chain", None, [1.0] * 3)
+
+
 @pytest.mark.parametrize("n", (3, 4, 5, 8, 16, 64, 1024))
 def test_resilient_schedule_meets_the_bound(n: int) -> None:
     rng = np.random.default_rng(1000 + n)
@@ -666,6 +726,15 @@ def test_rank_bandwidth_excludes_failed_planes_only() -> None:
     assert bw.rank_bandwidth(fake_stats({(-1, 0): "failed"})).send == 3.0
     # No connection yet: nothing says a plane is broken.
     assert bw.rank_bandwidth({"paths": []}, nplanes=4).up_mask == 0b1111
+    # Nor do paths that never sent: plane 1 failed on the connections in use (peer 0)
+    # and looks good on the idle ones (peers 1 and 2): lost.
+    idle = fake_stats({(0, 1): "failed"})
+    for p in idle["paths"]:
+        p["tx_pkts"] = 0 if p["conn"] > 0 else 5
+    assert bw.plane_usable(idle) == [True, False, True, True]
+    for p in idle["paths"]:
+        p["tx_pkts"] = 5
+    assert bw.plane_usable(idle) == [True] * 4  # peer 1's plane-1 paths carry data
 
 
 def test_one_spine_down_keeps_the_plane() -> None:

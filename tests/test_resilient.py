@@ -36,34 +36,40 @@ from resilient_worker import data  # noqa: E402
 H1_PLANE1 = "h1-p1l0"  # h1's cable on plane 1 (both ends go down)
 
 
-def reference_sha(count: int | None = None) -> str:
+def reference_sha(count: int | None = None, n: int = 4) -> str:
     """Rank order: ((x0 + x1) + x2) + x3 in float32, as mrc promises for every schedule."""
     acc = data(0, *(() if count is None else (count,))).copy()
-    for r in range(1, 4):
+    for r in range(1, n):
         acc += data(r, *(() if count is None else (count,)))
     return hashlib.sha256(acc.tobytes()).hexdigest()
 
 
 def launch(
-    fab: object, *worker_args: str, timeout: float = 30, env: dict[str, str] | None = None
+    fab: object,
+    *worker_args: str,
+    timeout: float = 30,
+    env: dict[str, str] | None = None,
+    hosts: str | None = None,
 ) -> subprocess.Popen[str]:
+    """4 ranks on h0..h3, or one per entry of hosts (mrc-run --hosts)."""
     env = {**os.environ, "MRC_RESILIENT_EXCHANGE_BYTES": "0", **(env or {})}
+    place = ["-n", "4"] if hosts is None else ["-n", str(hosts.count(",") + 1), "--hosts", hosts]
     return subprocess.Popen(
-        [sys.executable, "-m", "mrc.run", "-n", "4", "--fabric", FABRIC,
+        [sys.executable, "-m", "mrc.run", *place, "--fabric", FABRIC,
          "--name", fab.prefix, "--timeout", str(timeout), "--", sys.executable, WORKER,
          *worker_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
     )  # fmt: skip
 
 
-def results(lines: list[str]) -> dict[int, dict]:
+def results(lines: list[str], n: int = 4) -> dict[int, dict]:
     got = {}
     for line in lines:
         if line.startswith("[") and "] {" in line:
             doc = json.loads(line.split("] ", 1)[1])
             if "hashes" in doc:
                 got[doc["rank"]] = doc
-    assert sorted(got) == [0, 1, 2, 3], "".join(lines)
+    assert sorted(got) == list(range(n)), "".join(lines)
     return got
 
 
@@ -85,11 +91,14 @@ def follow(p: subprocess.Popen[str], on_op: Callable[[dict[str, Any]], None]) ->
     return lines
 
 
-def run_loop(fab: object, n: int, env: dict[str, str] | None = None) -> tuple[dict[int, dict], str]:
-    p = launch(fab, "loop", str(n), env=env)
+def run_loop(
+    fab: object, n: int, env: dict[str, str] | None = None, hosts: str | None = None
+) -> tuple[dict[int, dict], str]:
+    p = launch(fab, "loop", str(n), env=env, hosts=hosts)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0, out
-    return results(out.splitlines(keepends=True)), out
+    ranks = 4 if hosts is None else hosts.count(",") + 1
+    return results(out.splitlines(keepends=True), ranks), out
 
 
 def test_loopback_agrees_on_plane_counts_and_keeps_equal_shares() -> None:
@@ -204,6 +213,56 @@ def test_plane_failed_before_the_run_takes_the_resilient_schedule() -> None:
     assert switch and "resilient" in switch[-1] and "planes 023" in switch[-1], log
     agreed = "rank 1: send/recv 0.750/0.750 of the fastest"
     assert any(ln.startswith("[0]") and agreed in ln for ln in log.splitlines()), log
+
+
+@pytest.mark.root
+def test_ranks_sharing_hosts_take_the_chain_and_keep_it_when_a_plane_fails() -> None:
+    """Two ranks on h0 and two on h1 (mrc-run --hosts h0,h0,h1,h1): all_reduce "auto" runs
+    the chain (each host's links carry D each way where direct sends 2 D), with h1's
+    plane 1 failed too (h1 at 3/4: still 1/2 of direct's busiest-link time), every rank
+    alike, with the rank-order bits; the log names the schedule and why. One rank per
+    host keeps direct (the tests above)."""
+    ref = reference_sha()
+    hosts = "h0,h0,h1,h1"
+    with fabric_up(FABRIC) as fab:
+        healthy, log = run_loop(fab, 3, hosts=hosts)
+        fab.fail(H1_PLANE1)
+        degraded, _ = run_loop(fab, 12, hosts=hosts)
+    for r in range(4):
+        assert healthy[r]["hashes"] == [ref] * 3 and degraded[r]["hashes"] == [ref] * 12, r
+        assert healthy[r]["schedules"] == ["chain"] * 3
+        assert degraded[r]["schedules"] == ["chain"] * 12
+        st = degraded[r]["stats"]
+        # Rank 2 sends its partial sums to rank 1 over h1's cables: it finds plane 1
+        # lost. Rank 3's neighbour is rank 2, on its own host: its cables carry only the
+        # agreement's few packets, which may or may not have tried plane 1 yet.
+        assert st["agreed"]["planes_up"][2] == [0, 2, 3], st["agreed"]
+        assert st["schedule"]["schedule"] == "chain"
+        assert degraded[r]["auto_layout"]["algo"] == "chain"
+    why = "the busiest host link's time: chain 0.50 x direct's"
+    assert any(ln.startswith("[0]") and "runs schedule chain" in ln and why in ln
+               for ln in log.splitlines()), log  # fmt: skip
+
+
+def test_eight_ranks_on_one_host_take_the_chain() -> None:
+    """No fabric, 8 ranks on this host: "auto" runs the chain past gather's sizes
+    (model.CHAIN_ONE_HOST_RANKS), with the rank-order bits; 4 ranks keep direct
+    (test_loopback_agrees_on_plane_counts_and_keeps_equal_shares)."""
+    n = model.CHAIN_ONE_HOST_RANKS
+    p = subprocess.run(
+        [sys.executable, "-m", "mrc.run", "-n", str(n), "--timeout", "60", "--",
+         sys.executable, WORKER, "loop", "2"],
+        capture_output=True, text=True, cwd=ROOT, timeout=180,
+        env={**os.environ, "MRC_TEST_COUNT": "50001"},
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = results(p.stdout.splitlines(keepends=True), n)
+    ref = reference_sha(50001, n)
+    for r in range(n):
+        assert got[r]["hashes"] == [ref] * 2 and got[r]["schedules"] == ["chain"] * 2
+        assert got[r]["auto_layout"] == {
+            "algo": "chain", "why": f"{n} ranks on one host: two neighbours each instead of {n - 1}"
+        }  # fmt: skip
 
 
 @pytest.mark.root

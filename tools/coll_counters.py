@@ -14,7 +14,8 @@ were spurious: slow, not lost.
 MRC_ROUTES=planes in the environment: one plain-IPv6 path per plane instead of the route
 table's SRv6 paths (mrc.Communicator's routes); MRC_ALGO=chain (or direct, gather): that
 all_reduce algorithm; FAIL=h1-p1l0[,LINK...]: those links failed before the ranks start
-(h1's plane 1: the resilient schedule's case).
+(h1's plane 1: the resilient schedule's case). HOSTS=h0,h0,h1,h1,...: one rank per
+entry on that host (mrc-run --hosts; default 4 ranks, one per host).
 
 Run inside a rank (by itself): coll_counters.py --rank SIZES ITERS."""
 
@@ -127,7 +128,9 @@ def main() -> None:
         for link in filter(None, os.environ.get("FAIL", "").split(",")):
             fab.fail(link)
         before = host_counters(fab)
-        cmd = [sys.executable, "-m", "mrc.run", "-n", "4", "--fabric", fab.file]
+        hosts = [h for h in os.environ.get("HOSTS", "").split(",") if h]
+        cmd = [sys.executable, "-m", "mrc.run", "-n", str(len(hosts) or 4), "--fabric", fab.file]
+        cmd += ["--hosts", ",".join(hosts)] if hosts else []
         cmd += ["--name", fab.prefix, "--timeout", "120", "--"]
         cmd += [sys.executable, __file__, "--rank", ",".join(map(str, sizes)), str(iters)]
         run = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True)

@@ -116,14 +116,16 @@ def _paths(stats: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 def plane_usable(stats: Mapping[str, Any], nplanes: int | None = None) -> list[bool]:
     """Per plane: False when it has paths and every one of them failed. A plane with no
-    path (no connection uses it yet) counts as usable: nothing says it is broken.
+    path (no connection uses it yet) counts as usable: nothing says it is broken. Nor
+    does a path that has sent nothing (tx_pkts 0: a connection the schedules leave idle,
+    such as a chain's non-neighbours): its state is the one it started in.
 
     A rank's own cable pulled fails its paths on that plane to every peer; a peer's cable
     fails only the paths to that peer, so this rank keeps the plane (the peer reports its
     own loss).
     """
     # A connection that ended keeps its paths' last states, no longer probed: stale.
-    paths = [p for p in _paths(stats) if not p.get("conn_error")]
+    paths = [p for p in _paths(stats) if not p.get("conn_error") and p.get("tx_pkts") != 0]
     seen = [int(p["plane"]) for p in paths]
     if nplanes is None:
         if not seen:

@@ -560,6 +560,106 @@ def summary(n: int, x: float, host_rate: float | None = None) -> dict[str, float
 # The planner --------------------------------------------------------------------------------
 
 
+# Ranks that share a host: the chain or the direct schedule ----------------------------------
+
+# all_reduce "auto" runs the chain (schedule._all_reduce_chain) instead of the direct
+# schedule, past gather's sizes, where its busiest host link carries at most CHAIN_GAIN of
+# direct's time (docs/collectives-model.md, section 8). The chain crosses a host boundary
+# once per direction per pair of neighbouring hosts, so ranks placed host by host (as
+# mrc-run --hosts h0,h0,h1,h1 does) keep most of its hops inside their host, where direct
+# sends each rank's pieces to every rank elsewhere: at 2 ranks per host on 4 hosts the
+# busiest host carries 2 D against direct's 3 D, on 2 hosts D against 2 D. With one rank
+# per host the chain carries 2 D against 2(n-1)/n D, so direct stays. All ranks on one
+# host: no link decides; there the chain's two neighbours per rank cost less CPU than
+# direct's n-1 from CHAIN_ONE_HOST_RANKS ranks on (measured on loopback: equal or faster
+# at 8 and 16 ranks at every size from 64 KiB to 64 MiB; at 3 and 4 direct was faster at
+# 16 MiB and 64 MiB). The margin pays for the chain's 2(n-1) dependent hops before its
+# first chunk is back; past CHAIN_MAX_RANKS (the most measured here) that fill is
+# unmeasured and direct stays.
+CHAIN_GAIN = 0.75
+CHAIN_ONE_HOST_RANKS = 8
+CHAIN_MAX_RANKS = 32
+ALL_REDUCE_LAYOUT_ALGOS = ("direct", "chain")
+
+
+def host_bytes(
+    hosts: Sequence[str], algo: str, shares: Sequence[float] | None = None
+) -> dict[str, tuple[float, float]]:
+    """(sent, received) over each host's links, in units of D, of an all_reduce by ranks on
+    `hosts` (rank r on hosts[r]); traffic between two ranks of one host stays off its links.
+
+    "chain": the partial sum goes from rank i to i+1 and the result back from i+1 to i, D
+    each way, so a host boundary between neighbours costs each side D out and D in.
+    "direct" with shares f: rank i sends every rank j its slice of j's share (f_j D) and
+    its own reduced share (f_i D), and receives f_i D + f_j D from j; summed over the
+    pairs that cross the host's links (equal shares, one rank per host: 2(n-1)/n D).
+    """
+    n = len(hosts)
+    if algo not in ALL_REDUCE_LAYOUT_ALGOS:
+        raise UsageError(f"algo must be direct or chain, got {algo!r}")
+    out: dict[str, list[float]] = {h: [0.0, 0.0] for h in hosts}
+    if algo == "chain":
+        for i in range(n - 1):
+            a, b = hosts[i], hosts[i + 1]
+            if a != b:
+                for h in (a, b):
+                    out[h][0] += 1.0
+                    out[h][1] += 1.0
+    else:
+        f = [1.0 / n] * n if shares is None else _check_shares(shares, n)
+        for i in range(n):
+            for j in range(n):
+                if hosts[i] != hosts[j]:
+                    out[hosts[i]][0] += f[i] + f[j]
+                    out[hosts[i]][1] += f[i] + f[j]
+    return {h: (v[0], v[1]) for h, v in out.items()}
+
+
+def host_link_time(
+    hosts: Sequence[str],
+    algo: str,
+    shares: Sequence[float] | None = None,
+    bw_send: Rates | None = None,
+    bw_recv: Rates | None = None,
+) -> float:
+    """The busiest host link's time for host_bytes, in units of D / rate: a host's rate
+    is the lowest its ranks report (they share its NICs); rates None: every host 1."""
+    n = len(hosts)
+    s, g = ([1.0] * n, [1.0] * n) if bw_send is None else _check_rates(bw_send, bw_recv or bw_send)
+    if len(s) != n:
+        raise UsageError(f"{len(s)} rates for {n} ranks: one rate per rank")
+    rate: dict[str, tuple[float, float]] = {}
+    for r, h in enumerate(hosts):
+        a, b = rate.get(h, (math.inf, math.inf))
+        rate[h] = (min(a, s[r]), min(b, g[r]))
+    return max(
+        max(sent / rate[h][0], recv / rate[h][1])
+        for h, (sent, recv) in host_bytes(hosts, algo, shares).items()
+    )
+
+
+def layout_algo(
+    hosts: Sequence[str],
+    shares: Sequence[float] | None = None,
+    bw_send: Rates | None = None,
+    bw_recv: Rates | None = None,
+) -> tuple[str, str]:
+    """("chain" or "direct", why) for an all_reduce past gather's sizes by ranks on
+    `hosts`: the rule above. shares: the direct schedule's (the resilient planner's)."""
+    n = len(hosts)
+    if n < 3 or n > CHAIN_MAX_RANKS:
+        why = "2 ranks: the same two transfers" if n < 3 else f"more than {CHAIN_MAX_RANKS} ranks"
+        return "direct", why
+    if len(set(hosts)) == 1:
+        if n >= CHAIN_ONE_HOST_RANKS:
+            return "chain", f"{n} ranks on one host: two neighbours each instead of {n - 1}"
+        return "direct", f"{n} ranks on one host (chain from {CHAIN_ONE_HOST_RANKS})"
+    tc = host_link_time(hosts, "chain", None, bw_send, bw_recv)
+    td = host_link_time(hosts, "direct", shares, bw_send, bw_recv)
+    algo = "chain" if tc <= CHAIN_GAIN * td else "direct"
+    return algo, f"the busiest host link's time: chain {tc / td:.2f} x direct's"
+
+
 class Candidate(NamedTuple):
     """One row of the planner's table. shares is None for what mrc does not run."""
 

@@ -15,6 +15,7 @@ call raises the same error.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -31,6 +32,7 @@ import numpy as np
 from mrc import _datapath
 from mrc import gpu as _gpu
 from mrc._datapath import CollExecutor, strerror
+from mrc.collectives import model
 from mrc.collectives import schedule as S
 from mrc.collectives.resilient import env_int
 from mrc.errors import CollectiveError, TimeoutError, UsageError
@@ -67,6 +69,8 @@ SLOTS_MIN, SLOTS_MAX = 4, 16
 # no less (coll_memory: 5.5-17.5 MiB per rank against 1.0-14.5).
 WINDOW = 4
 ALL_REDUCE_ALGOS = ("auto", "direct", "gather", "chain")
+
+log = logging.getLogger("mrc.collectives")
 # Small calls (send + recv within the executor's 256 KiB bounce slots): the progress
 # thread polls for this long from each one's start instead of sleeping, and calls of up
 # to 4 KiB run the progress on the calling thread that long instead (MRC_BUSY_POLL_US;
@@ -278,6 +282,8 @@ class Collectives:
         )
         self._coll_failure: CollectiveError | None = None
         self._coll_plans: OrderedDict[tuple, S.Packed] = OrderedDict()
+        self._layouts: dict[tuple, tuple[str, str]] = {}  # _layout_algo's answers
+        self._layout_last: tuple[str, str] | None = None
         self._coll_calls: dict[tuple, tuple[str, S.Packed, int, int, int]] = {}
         self._coll_queue: queue.Queue[tuple[Callable[[], Any], Work] | None] = queue.Queue()
         self._coll_qlock = threading.Lock()
@@ -386,6 +392,28 @@ class Collectives:
             return
         raise self._failed(what, rc, peer)
 
+    def _layout_algo(self, shares: tuple[float, ...] | None, agreed: Any) -> str:
+        """What algo="auto" runs past gather's sizes: "chain" or "direct", by this
+        communicator's hosts (model.layout_algo), the direct schedule's shares and the
+        agreed rates (None: equal). The same on every rank: the hosts come from the
+        rendezvous's table, shares and rates from the agreement. Ranks that know no hosts
+        (a bare Collectives, as the tests' meshes) run direct."""
+        hosts = getattr(self, "hosts", None)
+        if not hosts or len(hosts) != self.size:
+            return "direct"
+        bw = (None, None) if agreed is None else (tuple(agreed.send), tuple(agreed.recv))
+        key = (tuple(hosts), shares, bw)
+        got = self._layouts.get(key)
+        if got is None:
+            got = model.layout_algo(hosts, shares, *bw)
+            if len(self._layouts) >= _PLAN_CACHE:
+                self._layouts.clear()
+            self._layouts[key] = got
+        if got != self._layout_last:
+            log.debug("rank %d: all_reduce algo auto runs %s: %s", self.rank, *got)
+            self._layout_last = got
+        return got[0]
+
     def collective_stats(self) -> dict[str, Any]:
         """Collectives run (total and per schedule), the last one (its call,
         schedule, seconds, and for all_reduce the share bounds in elements),
@@ -399,6 +427,9 @@ class Collectives:
         st["scratch_bytes"] = self._coll_exec.scratch_bytes
         st["busy_poll_us"] = self.busy_poll_us
         st["all_reduce_algo"] = self.all_reduce_algo
+        # What "auto" ran past gather's sizes at its last such call, and why.
+        last = self._layout_last
+        st["auto_layout"] = None if last is None else {"algo": last[0], "why": last[1]}
         st["failure"] = None if self._coll_failure is None else str(self._coll_failure)
         return st
 
@@ -528,7 +559,8 @@ class Collectives:
         ranks in order and the result back down: two neighbours per rank, for many
         ranks) or "auto" (gather without shares up
         to schedule.gather_max_bytes(n): 96 KiB at 4 ranks, 27 KiB at 8, 11 KiB at
-        16); every algo gives the same bits. Returns recv."""
+        16; past it direct, or the chain where the ranks' hosts favour it:
+        model.layout_algo); every algo gives the same bits. Returns recv."""
         repeat_key = None  # the call's shape, when it may be remembered (_remember)
         if type(send) is np.ndarray and shares is None and dtype is None:
             repeat_key = ("all_reduce", send.dtype, send.size, op, algo)
@@ -547,6 +579,7 @@ class Collectives:
             raise UsageError(f"all_reduce: shares has {len(sh)} entries for {self.size} ranks")
         if algo == "auto" and sh is None:  # shares are the direct schedule's
             algo = self.all_reduce_algo or "auto"
+        auto = algo == "auto"  # past gather's sizes, the hosts' layout picks (_layout_algo)
         if algo == "auto":
             small = s.count * s.esize <= S.gather_max_bytes(self.size) and sh is None
             algo = "gather" if small else "direct"
@@ -565,9 +598,11 @@ class Collectives:
             lag_ = self.slots
 
             def run() -> Any:
-                chosen = resilience.shares_for(s.count * s.esize)
-                packed = resilience.packed(s.count, s.esize, chosen, op == "avg", lag_)
-                sig = signature("all_reduce", s.count, s.dtype, op, chosen, "direct")
+                how, chosen = resilience.plan_for(s.count * s.esize, auto)
+                packed = resilience.packed(s.count, s.esize, chosen, op == "avg", lag_, how)
+                sig = signature("all_reduce", s.count, s.dtype, op, chosen, how)
+                if how == "chain":  # the same bits; the hosts' links carry less
+                    return self._do(what, packed, s, r, s.dtype, code, sig, out)
                 before = resilience.host_before(s.count * s.esize)
                 t0 = time.perf_counter()
                 result = self._do(what, packed, s, r, s.dtype, code, sig, out)
@@ -575,6 +610,8 @@ class Collectives:
                 return result
 
             return self._submit(what, run, async_op)
+        if auto and algo == "direct" and sh is None:
+            algo = self._layout_algo(None, None)
         key = ("all_reduce", s.count, s.esize, sh, op == "avg", algo)
         n, rank, lag = self.size, self.rank, self.slots
         packed = self._plan(

@@ -50,6 +50,7 @@ schedule and the bandwidths agreed, with the planner's table at DEBUG.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import math
 import os
@@ -275,6 +276,7 @@ class Resilience:
         self._exchange_plan: tuple[Any, int] | None = None
         self._lock = threading.Lock()
         self._down_before: list[bool] = [False] * self.nplanes
+        self._local_conns = _same_host_conns(comm)
 
     # --- what this rank can use ----------------------------------------------------------
 
@@ -286,6 +288,9 @@ class Resilience:
         schedule switch on that would cost more than it saves. A healed plane counts
         at once."""
         stats = self.comm.endpoint.stats()
+        if self._local_conns:
+            paths = [p for p in stats["paths"] if p["conn_id"] not in self._local_conns]
+            stats = {**stats, "paths": paths}
         down = [not u for u in bandwidth.plane_usable(stats, self.nplanes)]
         lost = [d and b for d, b in zip(down, self._down_before, strict=True)]
         self._down_before = down
@@ -383,42 +388,52 @@ class Resilience:
 
     # --- the hook: called by Collectives.all_reduce ------------------------------------
 
-    def shares_for(self, nbytes: int) -> tuple[float, ...] | None:
-        """The shares of this all_reduce (None: equal), the same on every rank. An
-        exchange point first refreshes the agreement (a collective of its own)."""
+    def plan_for(self, nbytes: int, auto: bool = False) -> tuple[str, tuple[float, ...] | None]:
+        """(algo, shares) of this all_reduce, the same on every rank: "direct" with its
+        shares (None: equal), or, for a caller that left the algorithm to "auto", "chain"
+        where the hosts' links favour it for these shares and bandwidths (model.layout_algo
+        through the communicator's _layout_algo). An exchange point first refreshes the
+        agreement (a collective of its own)."""
         with self._lock:
             self.ops += 1
-            if not self.enabled or self.comm.size < 3:
+            n = self.comm.size
+            if not self.enabled or n < 3:
                 # n <= 2: every share costs the same (model.shares); nothing to plan.
-                n = self.comm.size
-                self._note(model.Plan("equal", (1.0 / n,) * n, math.nan), nbytes)
-                return None
-            self._bytes_since += nbytes
-            if (
-                self._bytes_since >= self.exchange_bytes
-                or self.ops <= EARLY_EXCHANGES
-                or self.ops - self._last_exchange >= self.exchange_every
-            ):
-                self._exchange()
-            assert self.agreed is not None
-            plan = self._plans.get(nbytes)
-            if plan is None:
-                rates = self._rates(self.agreed)
-                host = self.agreed.host_rate if self.host_aware else None
-                plan = model.plan(rates, float(nbytes), self.alpha, host_rate=host)
-                if len(self._plans) >= _PLAN_CACHE:
-                    self._plans.clear()
-                self._plans[nbytes] = plan
-                if log.isEnabledFor(logging.DEBUG):
-                    table = model.candidates(rates, float(nbytes), self.alpha, host_rate=host)
-                    log.debug(
-                        "rank %d: all_reduce of %d bytes, candidates:\n%s",
-                        self.comm.rank,
-                        nbytes,
-                        model.format_table(table),
-                    )
+                plan = model.Plan("equal", (1.0 / n,) * n, math.nan)
+            else:
+                plan = self._plan(nbytes)
+            shares = None if plan.name == "equal" else tuple(plan.shares)
+            if auto and self.comm._layout_algo(shares, self.agreed) == "chain":
+                plan, shares = model.Plan("chain", (1.0 / n,) * n, math.nan), None
             self._note(plan, nbytes)
-            return None if plan.name == "equal" else tuple(plan.shares)
+            return ("chain" if plan.name == "chain" else "direct"), shares
+
+    def _plan(self, nbytes: int) -> model.Plan:
+        self._bytes_since += nbytes
+        if (
+            self._bytes_since >= self.exchange_bytes
+            or self.ops <= EARLY_EXCHANGES
+            or self.ops - self._last_exchange >= self.exchange_every
+        ):
+            self._exchange()
+        assert self.agreed is not None
+        plan = self._plans.get(nbytes)
+        if plan is None:
+            rates = self._rates(self.agreed)
+            host = self.agreed.host_rate if self.host_aware else None
+            plan = model.plan(rates, float(nbytes), self.alpha, host_rate=host)
+            if len(self._plans) >= _PLAN_CACHE:
+                self._plans.clear()
+            self._plans[nbytes] = plan
+            if log.isEnabledFor(logging.DEBUG):
+                table = model.candidates(rates, float(nbytes), self.alpha, host_rate=host)
+                log.debug(
+                    "rank %d: all_reduce of %d bytes, candidates:\n%s",
+                    self.comm.rank,
+                    nbytes,
+                    model.format_table(table),
+                )
+        return plan
 
     def _note(self, plan: model.Plan, nbytes: int) -> None:
         self.schedules[plan.name] += 1
@@ -435,7 +450,16 @@ class Resilience:
             self.switches.append(
                 {"op": self.ops, "epoch": self.epoch, "schedule": plan.name, "nbytes": nbytes}
             )
-            if prev is not None or plan.name != "equal":
+            if plan.name == "chain":
+                log.info(
+                    "rank %d: all_reduce %d (%d bytes) runs schedule chain (%s), for bandwidths %s",
+                    self.comm.rank,
+                    self.ops,
+                    nbytes,
+                    self.comm._layout_last[1],
+                    "not agreed" if self.agreed is None else _short(self.agreed),
+                )
+            elif prev is not None or plan.name != "equal":
                 assert self.agreed is not None
                 log.info(
                     "rank %d: all_reduce %d (%d bytes) runs schedule %s, shares %s, "
@@ -450,12 +474,19 @@ class Resilience:
                 )
 
     def packed(
-        self, count: int, esize: int, shares: tuple[float, ...] | None, avg: bool, lag: int
+        self,
+        count: int,
+        esize: int,
+        shares: tuple[float, ...] | None,
+        avg: bool,
+        lag: int,
+        algo: str = "direct",
     ) -> Any:
-        """The executor's plan of this (direct) all_reduce, cached here: it is built on
-        whichever thread runs the operation, so not in the mixin's cache (filled by
-        callers). lag: the mixin's step lag (its scratch slots)."""
-        key = (count, esize, shares, avg, lag)
+        """The executor's plan of this all_reduce (direct with shares, or the chain "auto"
+        may take instead: ops._layout_algo), cached here: it is built on whichever thread
+        runs the operation, so not in the mixin's cache (filled by callers). lag: the
+        mixin's step lag (its scratch slots)."""
+        key = (count, esize, shares, avg, lag, algo)
         with self._lock:
             packed = self._packed.get(key)
         if packed is None:
@@ -467,7 +498,7 @@ class Resilience:
                 shares=shares,
                 avg=avg,
                 lag=lag,
-                algo="direct",
+                algo=algo,
             )
             packed = sch.pack()
             with self._lock:
@@ -513,6 +544,28 @@ class Resilience:
             "schedules": dict(self.schedules),
             "switches": list(self.switches),
         }
+
+
+def _same_host_conns(comm: Any) -> frozenset[int]:
+    """Ids of this rank's connections to ranks on its own host, on real NICs: their
+    packets go host-internal whatever the NICs' cables do, so their paths say nothing
+    about a plane (a pulled cable would leave them up and hide the loss). Loopback planes
+    (127.x, ::1: the tests' and demos' emulated NICs, where a pulled plane is the
+    datapath's doing) keep every path."""
+    hosts = getattr(comm, "hosts", None)
+    if not hosts or len(hosts) != comm.size:
+        return frozenset()
+    try:
+        if all(ipaddress.ip_address(a).is_loopback for a, _ in comm.endpoint.planes):
+            return frozenset()
+    except ValueError:
+        return frozenset()
+    me = hosts[comm.rank]
+    return frozenset(
+        p.ids[0]
+        for r, p in enumerate(comm.peers)
+        if p is not None and r != comm.rank and hosts[r] == me
+    )
 
 
 def _short(ag: bandwidth.AgreedBandwidths) -> str:

@@ -32,6 +32,7 @@ from typing import Any
 import click
 import numpy as np
 
+from mrc.collectives import model, schedule
 from mrc.perf import report
 
 COLLECTIVES = (
@@ -387,6 +388,12 @@ def run_perf(
     algo = getattr(comm, "all_reduce_algo", None) if coll == "all_reduce" else None
     if algo is not None:
         echo(f"# all_reduce algorithm: {algo} (MRC_ALGO)")
+        hosts = getattr(comm, "hosts", None)
+        if algo == "auto" and hosts:
+            # What auto runs by size here (healthy: a lost plane can move it, see README).
+            how, why = model.layout_algo(hosts)
+            top = schedule.gather_max_bytes(n)
+            echo(f"# auto: gather up to {top} bytes, then {how} ({why})")
     echo(header(coll))
     for nbytes in size_list:
         row: dict[str, Any] = {}

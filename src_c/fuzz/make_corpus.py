@@ -70,7 +70,7 @@ def main() -> None:
     # plain transfer above sends none (its operations are not MRC_POST_LAZY_ACK).
     sends = [d for d in seen if d[3] == 2]
     acks = [d for d in seen if d[3] == 3]
-    for d, a in list(zip(sorted(sends), sorted(acks)))[:PER_TYPE]:
+    for d, a in list(zip(sorted(sends), sorted(acks), strict=False))[:PER_TYPE]:
         carried = a[:4] + bytes([0]) + a[5:8] + d[8:12] + a[12:]  # the SEND's connection
         data = d[:4] + bytes([d[4] | F_ACKS]) + d[5:56] + carried + d[56:]
         for mode in (2, 0):
