@@ -154,20 +154,30 @@ def worker_args(coll: str, sizes: Sequence[int], iters: int, warmup: int, *extra
     ]
 
 
-def _mrc_run(fab: Any, backend: str, args: list[str], timeout: float) -> list[str]:
+def _mrc_run(
+    fab: Any, backend: str, args: list[str], timeout: float, hosts: Sequence[str] | None = None
+) -> list[str]:
+    """mrc-run of a worker: 4 ranks one per host, or one rank per entry of hosts."""
+    place = ["-n", "4"] if hosts is None else ["-n", str(len(hosts)), "--hosts", ",".join(hosts)]
     return [
-        PY, "-m", "mrc.run", "-n", "4", "--fabric", fab.file, "--name", fab.prefix,
+        PY, "-m", "mrc.run", *place, "--fabric", fab.file, "--name", fab.prefix,
         "--timeout", str(timeout), "--", PY, args[0], backend, *args[1:],
     ]  # fmt: skip
 
 
-def run_mrc(fab: Any, args: list[str], env: dict[str, str] | None = None, **kw: Any) -> Run:
-    return stream(_mrc_run(fab, "mrc", args, 60), env, **kw)
+def run_mrc(
+    fab: Any,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    hosts: Sequence[str] | None = None,
+    **kw: Any,
+) -> Run:
+    return stream(_mrc_run(fab, "mrc", args, 60, hosts), env, **kw)
 
 
-def run_gloo(fab: Any, args: list[str], **kw: Any) -> Run:
+def run_gloo(fab: Any, args: list[str], hosts: Sequence[str] | None = None, **kw: Any) -> Run:
     env = {"GLOO_SOCKET_IFNAME": NICS, "OMP_NUM_THREADS": "1"}
-    return stream(_mrc_run(fab, "gloo", args, 60), env, **kw)
+    return stream(_mrc_run(fab, "gloo", args, 60, hosts), env, **kw)
 
 
 def run_mpi(
