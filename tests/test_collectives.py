@@ -72,6 +72,34 @@ def test_all_reduce_every_op_and_dtype(ranks, algo: str) -> None:
                     assert bits(got) == want, f"{dtype} {op} count {count} rank {r}"
 
 
+@pytest.mark.parametrize("hosts", ["aabbb", "abbb", "aab"])
+def test_hier_every_op_and_dtype(hosts: str) -> None:
+    """ "hier" on ranks whose hosts make groups (a communicator's hosts; these meshes are
+    told them): every op and dtype, in and out of place, the reference's bits."""
+    n = len(hosts)
+    with mesh(n) as rs:
+        for rk in rs:
+            rk.hosts = list(hosts)
+        case = 0
+        for dtype in DTYPES:
+            for op in OPS:
+                for count in (0, 1, 7 * n + 3, 5000):
+                    case += 1
+                    ins = [data(dtype, count, 100 * case + r, op) for r in range(n)]
+                    want = bits(M.reference(ins, dtype, op))
+                    dt = "bfloat16" if dtype == "bfloat16" else None
+
+                    def go(rk, ins=ins, in_place=case % 2 == 0, op=op, dt=dt):
+                        mine = ins[rk.rank].copy()
+                        out = None if in_place else np.empty_like(mine)
+                        got = rk.all_reduce(mine, out, op=op, dtype=dt, algo="hier")
+                        return got, rk.collective_stats()["last"]["schedule"]
+
+                    for r, (got, sched) in enumerate(ok(run_ranks(rs, go))):
+                        assert bits(got) == want, f"{dtype} {op} count {count} rank {r}"
+                        assert sched == "all_reduce_hier"
+
+
 def test_auto_gathers_up_to_the_threshold_for_its_rank_count(ranks) -> None:
     """algo="auto": "gather" up to schedule.gather_max_bytes(n), "direct" past it, on
     every rank alike (the call's signature holds the choice), with the same bits."""
@@ -91,16 +119,16 @@ def test_auto_gathers_up_to_the_threshold_for_its_rank_count(ranks) -> None:
 
 def test_auto_takes_the_chain_where_ranks_share_hosts() -> None:
     """Past gather's sizes "auto" asks model.layout_algo: ranks two per host (a, a, b, b)
-    run the chain, ranks one per host direct, and explicit algo="direct" stays direct;
-    the same bits every time. Ranks that know no hosts (these meshes, by default) run
-    direct; collective_stats says what auto ran and why."""
+    run the chain of hosts ("hier"), ranks one per host direct, and explicit
+    algo="direct" stays direct; the same bits every time. Ranks that know no hosts
+    (these meshes, by default) run direct; collective_stats says what auto ran and why."""
     n = 4
     count = S.gather_max_bytes(n) // 4 + 1000
     ins = [data("float32", count, 70 + r) for r in range(n)]
     ref = bits(M.reference(ins, "float32", "sum"))
     for hosts, algo, want in (
         (None, "auto", "all_reduce"),
-        ("aabb", "auto", "all_reduce_chain"),
+        ("aabb", "auto", "all_reduce_hier"),
         ("aabb", "direct", "all_reduce"),
         ("abcd", "auto", "all_reduce"),
     ):
@@ -116,7 +144,7 @@ def test_auto_takes_the_chain_where_ranks_share_hosts() -> None:
             assert all(bits(o) == ref for o, _ in got), (hosts, algo)
             assert [st["last"]["schedule"] for _, st in got] == [want] * n, (hosts, algo)
     layout = got[0][1]["auto_layout"]  # one rank per host: 2 D against 1.5 D
-    assert layout["algo"] == "direct" and "chain 1.33 x direct's" in layout["why"]
+    assert layout["algo"] == "direct" and "hier 1.33 x direct's" in layout["why"]
 
 
 def test_mrc_algo_sets_what_auto_means(monkeypatch: Any) -> None:
@@ -278,11 +306,13 @@ def test_chunk_sizes_and_shares_give_identical_bits() -> None:
     assert st["scratch_bytes"] == 3 * 3 * 1000 and st["failure"] is None
 
 
-def test_chain_gives_the_same_bits_at_any_chunk_size_and_under_loss() -> None:
+@pytest.mark.parametrize("algo", ["chain", "hier"])
+def test_chain_gives_the_same_bits_at_any_chunk_size_and_under_loss(algo: str) -> None:
     """The chain folds each element hop by hop up the ranks (bfloat16 rounded at every
     hop, as a REDUCE rounds at every source), so it gives the direct schedule's bits:
     many chunks through a 2-slot ring, in place and out of place, with 5% loss on a
-    plane of every rank."""
+    plane of every rank. So does "hier" (ranks on hosts a, a, b, b, b: the chain of the
+    two hosts' shares, direct inside each)."""
     n = 5
     for dtype, count in (("float32", 300_001), ("bfloat16", 200_003), ("int32", 70_001)):
         ins = [data(dtype, count, 7 * r + 1) for r in range(n)]
@@ -291,12 +321,13 @@ def test_chain_gives_the_same_bits_at_any_chunk_size_and_under_loss() -> None:
             with mesh(n, chunk_bytes=chunk, slots=slots, timeout=30) as rs:
                 for rk in rs:
                     rk.endpoint.inject(0, loss=loss)
+                    rk.hosts = list("aabbb")
                 dt = "bfloat16" if dtype == "bfloat16" else None
 
                 def go(rk, ins=ins, dt=dt):
                     a, b = ins[rk.rank].copy(), ins[rk.rank].copy()
-                    out = rk.all_reduce(a, np.empty_like(a), dtype=dt, algo="chain")
-                    rk.all_reduce(b, dtype=dt, algo="chain")  # in place
+                    out = rk.all_reduce(a, np.empty_like(a), dtype=dt, algo=algo)
+                    rk.all_reduce(b, dtype=dt, algo=algo)  # in place
                     direct = rk.all_reduce(ins[rk.rank].copy(), dtype=dt, algo="direct")
                     return out, b, direct
 

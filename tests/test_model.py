@@ -158,7 +158,7 @@ LAYOUTS = (
 
 
 @pytest.mark.parametrize("hosts", LAYOUTS)
-@pytest.mark.parametrize("algo", ("direct", "chain"))
+@pytest.mark.parametrize("algo", ("direct", "chain", "hier"))
 def test_host_bytes_are_what_the_schedules_send(hosts: str, algo: str) -> None:
     """model.host_bytes against the real schedules: every rank's SEND and RECV steps to a
     rank on another host, summed per host (equal shares, and shares 1:2:3:...)."""
@@ -166,13 +166,14 @@ def test_host_bytes_are_what_the_schedules_send(hosts: str, algo: str) -> None:
 
     n, count = len(hosts), 7 * 64 * 9 * 5  # divides by every share sum below
     for shares in (None, [float(r + 1) for r in range(n)]):
-        if shares is not None and algo == "chain":
+        if shares is not None and algo != "direct":
             continue
         norm = None if shares is None else [v / sum(shares) for v in shares]
         sent = dict.fromkeys(hosts, 0)
         recv = dict.fromkeys(hosts, 0)
         for r in range(n):
-            sch = S.all_reduce(r, n, count, 1, shares=norm, algo=algo)
+            groups = S.host_groups(hosts)
+            sch = S.all_reduce(r, n, count, 1, shares=norm, algo=algo, groups=groups)
             for st in sch.steps:
                 if st.kind in (S.SEND, S.RECV) and hosts[st.peer] != hosts[r]:
                     (sent if st.kind == S.SEND else recv)[hosts[r]] += st.length
@@ -183,30 +184,34 @@ def test_host_bytes_are_what_the_schedules_send(hosts: str, algo: str) -> None:
 
 
 def test_layout_picks_the_chain_where_hosts_carry_less() -> None:
-    """all_reduce "auto" past gather's sizes: the chain where ranks share hosts in runs
-    (its busiest host link <= CHAIN_GAIN of direct's), direct with one rank per host,
-    with ranks interleaved across hosts, with 2 ranks, and past CHAIN_MAX_RANKS; on one
-    host from CHAIN_ONE_HOST_RANKS ranks. A lost plane moves it by the links' rates."""
+    """all_reduce "auto" past gather's sizes: the chain of hosts ("hier") where ranks
+    share hosts in runs (its busiest host link <= CHAIN_GAIN of direct's), direct with
+    one rank per host, with ranks interleaved across hosts, with 2 ranks, and past
+    CHAIN_MAX_RANKS runs of hosts; on one host the plain chain from CHAIN_ONE_HOST_RANKS
+    ranks to CHAIN_MAX_RANKS. A lost plane moves it by the links' rates."""
     pick = {h: m.layout_algo(list(h))[0] for h in LAYOUTS + ("ab", "aa")}
     assert pick == {
-        "abcd": "direct", "aabb": "chain", "aabbccdd": "chain", "aaaabbbb": "chain",
-        "abab": "direct", "aaab": "chain", "aabbbccd": "chain", "aaaaaaaa": "chain",
+        "abcd": "direct", "aabb": "hier", "aabbccdd": "hier", "aaaabbbb": "hier",
+        "abab": "direct", "aaab": "hier", "aabbbccd": "hier", "aaaaaaaa": "chain",
         "abcdefgh": "direct", "ab": "direct", "aa": "direct",
     }  # fmt: skip
     assert m.layout_algo(list("aaaaaaa"))[0] == "direct"  # 7 < CHAIN_ONE_HOST_RANKS
-    big = [f"h{r // 2}" for r in range(m.CHAIN_MAX_RANKS + 2)]
-    assert m.layout_algo(big[: m.CHAIN_MAX_RANKS])[0] == "chain"
-    assert m.layout_algo(big) == ("direct", f"more than {m.CHAIN_MAX_RANKS} ranks")
+    top = m.CHAIN_MAX_RANKS
+    assert m.layout_algo(["h"] * top)[0] == "chain"
+    assert m.layout_algo(["h"] * (top + 1))[0] == "direct"
+    runs = [f"h{r // 2}" for r in range(2 * top + 2)]  # top + 1 hosts, 2 ranks each
+    assert m.layout_algo(runs[: 2 * top])[0] == "hier"
+    assert m.layout_algo(runs) == ("direct", f"{top + 1} runs of hosts: more than {top} hops")
     # 2 of 4 planes lost on host b: the chain waits on b (1 D at half rate) and direct,
     # even with shares that spare b, still has 2 D to cross somewhere.
     rates = [4.0, 4.0, 2.0, 2.0]
     algo, why = m.layout_algo(list("aabb"), None, rates, rates)
-    assert algo == "chain" and "0.50 x direct's" in why
+    assert algo == "hier" and "0.50 x direct's" in why
     # One rank per host with one rank's plane lost: direct (and its shares) stays.
     rates = [4.0, 3.0, 4.0, 4.0]
     shares = m.shares(rates, rates)
     assert m.layout_algo(list("abcd"), shares, rates, rates)[0] == "direct"
-    with pytest.raises(UsageError, match="direct or chain"):
+    with pytest.raises(UsageError, match="direct, chain or hier"):
         m.host_bytes(list("ab"), "ring")
     with pytest.raises(UsageError, match="3 rates for 4 ranks"):
         m.host_link_time(list("aabb"), "chain", None, [1.0] * 3)
@@ -735,6 +740,28 @@ def test_rank_bandwidth_excludes_failed_planes_only() -> None:
     for p in idle["paths"]:
         p["tx_pkts"] = 5
     assert bw.plane_usable(idle) == [True] * 4  # peer 1's plane-1 paths carry data
+
+
+def test_plane_loss_is_attributed_by_the_peers_hosts() -> None:
+    """conn_hosts (connection id -> peer host, the connections over this host's cables):
+    failed paths towards one host only are that host's loss, unless it is the only other
+    host; towards two or more, this rank's own; connections left out of the map (ranks on
+    this host) do not count either way."""
+    hosts = {100: "b", 101: "c", 102: "d"}
+    one = fake_stats({(0, 1): "failed"})
+    for p in one["paths"]:
+        p["tx_pkts"] = 0 if p["conn"] > 0 else 5  # a chain: one neighbour in use
+    assert bw.plane_usable(one, 4, hosts) == [True] * 4  # b's cable, maybe
+    assert bw.plane_usable(one, 4, {100: "b"}) == [True, False, True, True]  # the only other
+    mine = fake_stats({(-1, 1): "failed"})
+    assert bw.plane_usable(mine, 4, hosts) == [True, False, True, True]
+    # Two peers on host b (conns 100, 101) and one on this host (102, left out): b only.
+    assert bw.plane_usable(mine, 4, {100: "b", 101: "b", 103: "c"}) == [True] * 4
+    assert bw.plane_usable(mine, 4, {100: "b", 101: "b"}) == [True, False, True, True]
+    # A same-host connection's good paths do not hide the loss.
+    inside = fake_stats({(0, 1): "failed", (1, 1): "failed"})
+    assert bw.plane_usable(inside, 4, {100: "b", 101: "c"}) == [True, False, True, True]
+    assert bw.plane_usable(inside, 4) == [True] * 4  # without the map, peer 2's paths count
 
 
 def test_one_spine_down_keeps_the_plane() -> None:

@@ -218,7 +218,8 @@ def test_plane_failed_before_the_run_takes_the_resilient_schedule() -> None:
 @pytest.mark.root
 def test_ranks_sharing_hosts_take_the_chain_and_keep_it_when_a_plane_fails() -> None:
     """Two ranks on h0 and two on h1 (mrc-run --hosts h0,h0,h1,h1): all_reduce "auto" runs
-    the chain (each host's links carry D each way where direct sends 2 D), with h1's
+    the chain of hosts, "hier" (each host's links carry D each way where direct sends
+    2 D; each of a host's ranks carries half of it), with h1's
     plane 1 failed too (h1 at 3/4: still 1/2 of direct's busiest-link time), every rank
     alike, with the rank-order bits; the log names the schedule and why. One rank per
     host keeps direct (the tests above)."""
@@ -230,17 +231,17 @@ def test_ranks_sharing_hosts_take_the_chain_and_keep_it_when_a_plane_fails() -> 
         degraded, _ = run_loop(fab, 12, hosts=hosts)
     for r in range(4):
         assert healthy[r]["hashes"] == [ref] * 3 and degraded[r]["hashes"] == [ref] * 12, r
-        assert healthy[r]["schedules"] == ["chain"] * 3
-        assert degraded[r]["schedules"] == ["chain"] * 12
+        assert healthy[r]["schedules"] == ["hier"] * 3
+        assert degraded[r]["schedules"] == ["hier"] * 12
         st = degraded[r]["stats"]
-        # Rank 2 sends its partial sums to rank 1 over h1's cables: it finds plane 1
-        # lost. Rank 3's neighbour is rank 2, on its own host: its cables carry only the
-        # agreement's few packets, which may or may not have tried plane 1 yet.
-        assert st["agreed"]["planes_up"][2] == [0, 2, 3], st["agreed"]
-        assert st["schedule"]["schedule"] == "chain"
-        assert degraded[r]["auto_layout"]["algo"] == "chain"
-    why = "the busiest host link's time: chain 0.50 x direct's"
-    assert any(ln.startswith("[0]") and "runs schedule chain" in ln and why in ln
+        # Every rank's cross-host paths lead to the one other host, so the plane is
+        # gone between h0 and h1 for all four (bandwidth.plane_usable); the paths between
+        # two ranks of one host say nothing.
+        assert st["agreed"]["planes_up"] == [[0, 2, 3]] * 4, st["agreed"]
+        assert st["schedule"]["schedule"] == "hier"
+        assert degraded[r]["auto_layout"]["algo"] == "hier"
+    why = "the busiest host link's time: hier 0.50 x direct's"
+    assert any(ln.startswith("[0]") and "runs schedule hier" in ln and why in ln
                for ln in log.splitlines()), log  # fmt: skip
 
 

@@ -45,6 +45,49 @@ def test_all_reduce_any_order_same_bits(n, count, in_place, shares) -> None:
         assert all(o.tobytes() == want for o in outs)
 
 
+@pytest.mark.parametrize(
+    "groups", [[1], [3], [1, 1, 1], [2, 2], [2, 1], [1, 2], [3, 2, 1], [2, 2, 2], [1, 3, 2]]
+)
+@pytest.mark.parametrize("count", [0, 1, 13, 40])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_hier_all_reduce_any_order_same_bits(groups, count, in_place) -> None:
+    """ "hier" (the chain over groups of consecutive ranks, direct inside each): the
+    reference's bits in any arrival order, in and out of place, for groups of any sizes;
+    bfloat16 too, where the rounding after every source shows a different order."""
+    n = sum(groups)
+    for dtype, esize, op in (("float32", 4, "avg"), ("bfloat16", 2, "sum")):
+        xs = [f32(count, r) for r in range(n)]
+        if dtype == "bfloat16":
+            xs = [M.f32_to_bf16(x) for x in xs]
+        want = M.reference(xs, dtype, op).tobytes()
+        for seed in range(3):
+            ins = [x.view(np.uint8).copy() for x in xs]
+            outs = ins if in_place else [np.zeros_like(i) for i in ins]
+            sch = [
+                S.all_reduce(r, n, count, esize, avg=op == "avg", algo="hier", groups=groups)
+                for r in range(n)
+            ]
+            run(sch, ins, outs, op=op, dtype=dtype, seed=seed)
+            assert all(o.tobytes() == want for o in outs), (groups, dtype, seed)
+    with pytest.raises(UsageError, match=r"groups \[2, 2\] do not cut 3 ranks"):
+        S.all_reduce(0, 3, 4, 4, algo="hier", groups=[2, 2])
+
+
+def test_hier_is_direct_in_one_group_and_the_chain_in_groups_of_one() -> None:
+    """The two ends of "hier": the same transfers as direct (one group) and as the
+    chain (every group one rank), and the host runs of a layout."""
+
+    def transfers(sch):
+        return sorted((st.kind, st.peer, st.length) for st in sch.steps if st.peer >= 0)
+
+    for r in range(4):
+        one = S.all_reduce(r, 4, 1000, 4, algo="hier", groups=[4])
+        assert transfers(one) == transfers(S.all_reduce(r, 4, 1000, 4))
+        ones = S.all_reduce(r, 4, 1000, 4, algo="hier", groups=[1, 1, 1, 1])
+        assert transfers(ones) == transfers(S.all_reduce(r, 4, 1000, 4, algo="chain"))
+    assert S.host_groups(list("aabbbca")) == [2, 3, 1, 1]
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_every_other_schedule(n) -> None:
     count = 11

@@ -114,18 +114,31 @@ def _paths(stats: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return paths
 
 
-def plane_usable(stats: Mapping[str, Any], nplanes: int | None = None) -> list[bool]:
-    """Per plane: False when it has paths and every one of them failed. A plane with no
-    path (no connection uses it yet) counts as usable: nothing says it is broken. Nor
-    does a path that has sent nothing (tx_pkts 0: a connection the schedules leave idle,
-    such as a chain's non-neighbours): its state is the one it started in.
+def plane_usable(
+    stats: Mapping[str, Any],
+    nplanes: int | None = None,
+    conn_hosts: Mapping[int, str] | None = None,
+) -> list[bool]:
+    """Per plane: False when some of its paths failed and none is good. Suspect and
+    probing paths say neither (a lost packet not yet confirmed, a probe not yet
+    answered), so a plane whose paths are all suspect or probing stays usable, and one
+    whose failed paths are probed stays lost until a probe makes a path good again. A
+    plane with no path (no connection uses it yet) counts as usable: nothing says it is
+    broken. Nor does a path that has sent nothing (tx_pkts 0: a connection the schedules
+    leave idle, such as a chain's non-neighbours): its state is the one it started in.
 
     A rank's own cable pulled fails its paths on that plane to every peer; a peer's cable
     fails only the paths to that peer, so this rank keeps the plane (the peer reports its
-    own loss).
+    own loss). conn_hosts (connection id -> the peer's host, for the connections that
+    cross this host's cables; the others' paths are left out): a plane whose failed paths
+    all lead to one host is that host's loss unless it is the only other host (then the
+    plane is gone between them either way) — what a rank that talks to one neighbouring
+    host only (a chain) cannot tell apart.
     """
     # A connection that ended keeps its paths' last states, no longer probed: stale.
     paths = [p for p in _paths(stats) if not p.get("conn_error") and p.get("tx_pkts") != 0]
+    if conn_hosts is not None:
+        paths = [p for p in paths if p.get("conn_id") in conn_hosts]
     seen = [int(p["plane"]) for p in paths]
     if nplanes is None:
         if not seen:
@@ -136,14 +149,25 @@ def plane_usable(stats: Mapping[str, Any], nplanes: int | None = None) -> list[b
     for p in seen:
         if not 0 <= p < nplanes:
             raise UsageError(f"a path is on plane {p}, but there are {nplanes} planes")
-    has_path = [False] * nplanes
-    usable = [False] * nplanes
+    good = [False] * nplanes
+    failed = [False] * nplanes
+    failed_to: list[set[str]] = [set() for _ in range(nplanes)]
     for p in paths:
         plane = int(p["plane"])
-        has_path[plane] = True
-        if p["state"] in USABLE_STATES:
-            usable[plane] = True
-    return [usable[i] or not has_path[i] for i in range(nplanes)]
+        if p["state"] == "good":
+            good[plane] = True
+        elif p["state"] not in USABLE_STATES:
+            failed[plane] = True
+            if conn_hosts is not None:
+                failed_to[plane].add(conn_hosts[p["conn_id"]])
+    others = 0 if conn_hosts is None else len(set(conn_hosts.values()))
+    out = []
+    for i in range(nplanes):
+        lost = failed[i] and not good[i]
+        if lost and conn_hosts is not None and len(failed_to[i]) < 2 <= others:
+            lost = False  # one other host's paths: its cable, not necessarily ours
+        out.append(not lost)
+    return out
 
 
 def fabric_plane_rates(fabric: Any, host: str) -> list[float]:

@@ -560,26 +560,28 @@ def summary(n: int, x: float, host_rate: float | None = None) -> dict[str, float
 # The planner --------------------------------------------------------------------------------
 
 
-# Ranks that share a host: the chain or the direct schedule ----------------------------------
+# Ranks that share a host: the direct schedule, the chain, or the chain of hosts -------------
 
-# all_reduce "auto" runs the chain (schedule._all_reduce_chain) instead of the direct
-# schedule, past gather's sizes, where its busiest host link carries at most CHAIN_GAIN of
-# direct's time (docs/collectives-model.md, section 8). The chain crosses a host boundary
-# once per direction per pair of neighbouring hosts, so ranks placed host by host (as
-# mrc-run --hosts h0,h0,h1,h1 does) keep most of its hops inside their host, where direct
-# sends each rank's pieces to every rank elsewhere: at 2 ranks per host on 4 hosts the
-# busiest host carries 2 D against direct's 3 D, on 2 hosts D against 2 D. With one rank
-# per host the chain carries 2 D against 2(n-1)/n D, so direct stays. All ranks on one
-# host: no link decides; there the chain's two neighbours per rank cost less CPU than
-# direct's n-1 from CHAIN_ONE_HOST_RANKS ranks on (measured on loopback: equal or faster
-# at 8 and 16 ranks at every size from 64 KiB to 64 MiB; at 3 and 4 direct was faster at
-# 16 MiB and 64 MiB). The margin pays for the chain's 2(n-1) dependent hops before its
-# first chunk is back; past CHAIN_MAX_RANKS (the most measured here) that fill is
-# unmeasured and direct stays.
+# all_reduce "auto", past gather's sizes, runs "hier" (schedule._all_reduce_hier: the chain
+# over the hosts' runs of consecutive ranks, direct inside each) instead of the direct
+# schedule where the chain's busiest host link carries at most CHAIN_GAIN of direct's time
+# (docs/collectives-model.md, section 8). A chain crosses a host boundary once per
+# direction per pair of neighbouring hosts, so ranks placed host by host (mrc-run --hosts
+# h0,h0,h1,h1) keep most of the work inside their host, where direct sends each rank's
+# pieces to every rank elsewhere: at 2 ranks per host on 4 hosts the busiest host carries
+# 2 D against direct's 3 D, on 2 hosts D against 2 D; "hier" carries the chain's bytes in
+# 2(m-1) dependent hops for m hosts instead of 2(n-1). With one rank per host the chain
+# carries 2 D against 2(n-1)/n D, so direct stays. All ranks on one host: no link
+# decides, hier would be direct; there the plain chain's two neighbours per rank cost less
+# CPU than direct's n-1 from CHAIN_ONE_HOST_RANKS ranks on (measured on loopback: equal or
+# faster at 8 and 16 ranks at every size from 64 KiB to 64 MiB; at 3 and 4 direct was
+# faster at 16 MiB and 64 MiB). The margin pays for the dependent hops before the first
+# chunk is back; past CHAIN_MAX_RANKS of them (the most measured here: 32 ranks) that
+# fill is unmeasured and direct stays.
 CHAIN_GAIN = 0.75
 CHAIN_ONE_HOST_RANKS = 8
 CHAIN_MAX_RANKS = 32
-ALL_REDUCE_LAYOUT_ALGOS = ("direct", "chain")
+ALL_REDUCE_LAYOUT_ALGOS = ("direct", "chain", "hier")
 
 
 def host_bytes(
@@ -590,15 +592,17 @@ def host_bytes(
 
     "chain": the partial sum goes from rank i to i+1 and the result back from i+1 to i, D
     each way, so a host boundary between neighbours costs each side D out and D in.
+    "hier": the same (its groups are the runs of one host's ranks; a boundary between
+    two runs carries every share's partial up and its result down: D each way).
     "direct" with shares f: rank i sends every rank j its slice of j's share (f_j D) and
     its own reduced share (f_i D), and receives f_i D + f_j D from j; summed over the
     pairs that cross the host's links (equal shares, one rank per host: 2(n-1)/n D).
     """
     n = len(hosts)
     if algo not in ALL_REDUCE_LAYOUT_ALGOS:
-        raise UsageError(f"algo must be direct or chain, got {algo!r}")
+        raise UsageError(f"algo must be direct, chain or hier, got {algo!r}")
     out: dict[str, list[float]] = {h: [0.0, 0.0] for h in hosts}
-    if algo == "chain":
+    if algo != "direct":
         for i in range(n - 1):
             a, b = hosts[i], hosts[i + 1]
             if a != b:
@@ -644,20 +648,24 @@ def layout_algo(
     bw_send: Rates | None = None,
     bw_recv: Rates | None = None,
 ) -> tuple[str, str]:
-    """("chain" or "direct", why) for an all_reduce past gather's sizes by ranks on
-    `hosts`: the rule above. shares: the direct schedule's (the resilient planner's)."""
+    """("hier", "chain" or "direct", why) for an all_reduce past gather's sizes by ranks
+    on `hosts`: the rule above. shares: the direct schedule's (the resilient planner's)."""
     n = len(hosts)
-    if n < 3 or n > CHAIN_MAX_RANKS:
-        why = "2 ranks: the same two transfers" if n < 3 else f"more than {CHAIN_MAX_RANKS} ranks"
-        return "direct", why
-    if len(set(hosts)) == 1:
+    if n < 3:
+        return "direct", "2 ranks: the same two transfers"
+    runs = 1 + sum(hosts[i] != hosts[i - 1] for i in range(1, n))
+    if runs == 1:
+        if n > CHAIN_MAX_RANKS:
+            return "direct", f"{n} ranks on one host: more than {CHAIN_MAX_RANKS}"
         if n >= CHAIN_ONE_HOST_RANKS:
             return "chain", f"{n} ranks on one host: two neighbours each instead of {n - 1}"
         return "direct", f"{n} ranks on one host (chain from {CHAIN_ONE_HOST_RANKS})"
-    tc = host_link_time(hosts, "chain", None, bw_send, bw_recv)
+    if runs > CHAIN_MAX_RANKS:
+        return "direct", f"{runs} runs of hosts: more than {CHAIN_MAX_RANKS} hops"
+    tc = host_link_time(hosts, "hier", None, bw_send, bw_recv)
     td = host_link_time(hosts, "direct", shares, bw_send, bw_recv)
-    algo = "chain" if tc <= CHAIN_GAIN * td else "direct"
-    return algo, f"the busiest host link's time: chain {tc / td:.2f} x direct's"
+    algo = "hier" if tc <= CHAIN_GAIN * td else "direct"
+    return algo, f"the busiest host link's time: hier {tc / td:.2f} x direct's"
 
 
 class Candidate(NamedTuple):

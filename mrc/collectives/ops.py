@@ -68,7 +68,7 @@ SLOTS_MIN, SLOTS_MAX = 4, 16
 # was no faster (241 ms against 238-246, the degraded runs of scratch_slots) and staged
 # no less (coll_memory: 5.5-17.5 MiB per rank against 1.0-14.5).
 WINDOW = 4
-ALL_REDUCE_ALGOS = ("auto", "direct", "gather", "chain")
+ALL_REDUCE_ALGOS = ("auto", "direct", "gather", "chain", "hier")
 
 log = logging.getLogger("mrc.collectives")
 # Small calls (send + recv within the executor's 256 KiB bounce slots): the progress
@@ -392,8 +392,14 @@ class Collectives:
             return
         raise self._failed(what, rc, peer)
 
+    def _host_groups(self) -> list[int] | None:
+        """The runs of consecutive ranks on one host (schedule.host_groups), for "hier";
+        None where the hosts are not known (hier is then the chain)."""
+        hosts = getattr(self, "hosts", None)
+        return S.host_groups(hosts) if hosts and len(hosts) == self.size else None
+
     def _layout_algo(self, shares: tuple[float, ...] | None, agreed: Any) -> str:
-        """What algo="auto" runs past gather's sizes: "chain" or "direct", by this
+        """What algo="auto" runs past gather's sizes: "hier", "chain" or "direct", by this
         communicator's hosts (model.layout_algo), the direct schedule's shares and the
         agreed rates (None: equal). The same on every rank: the hosts come from the
         rendezvous's table, shares and rates from the agreement. Ranks that know no hosts
@@ -557,10 +563,11 @@ class Collectives:
         (reduce-scatter + all-gather), "gather" (everyone sends everyone its
         input: one exchange, for small messages), "chain" (the partial result up the
         ranks in order and the result back down: two neighbours per rank, for many
-        ranks) or "auto" (gather without shares up
-        to schedule.gather_max_bytes(n): 96 KiB at 4 ranks, 27 KiB at 8, 11 KiB at
-        16; past it direct, or the chain where the ranks' hosts favour it:
-        model.layout_algo); every algo gives the same bits. Returns recv."""
+        ranks), "hier" (that chain over the hosts' runs of consecutive ranks, each
+        host's share split over its ranks, direct inside a host) or "auto" (gather
+        without shares up to schedule.gather_max_bytes(n): 96 KiB at 4 ranks, 27 KiB
+        at 8, 11 KiB at 16; past it direct, or hier / chain where the ranks' hosts
+        favour it: model.layout_algo); every algo gives the same bits. Returns recv."""
         repeat_key = None  # the call's shape, when it may be remembered (_remember)
         if type(send) is np.ndarray and shares is None and dtype is None:
             repeat_key = ("all_reduce", send.dtype, send.size, op, algo)
@@ -601,7 +608,7 @@ class Collectives:
                 how, chosen = resilience.plan_for(s.count * s.esize, auto)
                 packed = resilience.packed(s.count, s.esize, chosen, op == "avg", lag_, how)
                 sig = signature("all_reduce", s.count, s.dtype, op, chosen, how)
-                if how == "chain":  # the same bits; the hosts' links carry less
+                if how != "direct":  # the same bits; the hosts' links carry less
                     return self._do(what, packed, s, r, s.dtype, code, sig, out)
                 before = resilience.host_before(s.count * s.esize)
                 t0 = time.perf_counter()
@@ -617,8 +624,16 @@ class Collectives:
         packed = self._plan(
             key,
             lambda: S.all_reduce(
-                rank, n, s.count, s.esize, shares=sh, avg=op == "avg", lag=lag, algo=algo
-            ),
+                rank,
+                n,
+                s.count,
+                s.esize,
+                shares=sh,
+                avg=op == "avg",
+                lag=lag,
+                algo=algo,
+                groups=self._host_groups(),
+            ),  # fmt: skip
         )
         sig = signature("all_reduce", s.count, s.dtype, op, sh, algo)
         if repeat_key is not None:

@@ -276,7 +276,7 @@ class Resilience:
         self._exchange_plan: tuple[Any, int] | None = None
         self._lock = threading.Lock()
         self._down_before: list[bool] = [False] * self.nplanes
-        self._local_conns = _same_host_conns(comm)
+        self._conn_hosts = _conn_hosts(comm)
 
     # --- what this rank can use ----------------------------------------------------------
 
@@ -288,10 +288,8 @@ class Resilience:
         schedule switch on that would cost more than it saves. A healed plane counts
         at once."""
         stats = self.comm.endpoint.stats()
-        if self._local_conns:
-            paths = [p for p in stats["paths"] if p["conn_id"] not in self._local_conns]
-            stats = {**stats, "paths": paths}
-        down = [not u for u in bandwidth.plane_usable(stats, self.nplanes)]
+        usable = bandwidth.plane_usable(stats, self.nplanes, self._conn_hosts)
+        down = [not u for u in usable]
         lost = [d and b for d, b in zip(down, self._down_before, strict=True)]
         self._down_before = down
         bw = bandwidth.rank_bandwidth(
@@ -390,10 +388,10 @@ class Resilience:
 
     def plan_for(self, nbytes: int, auto: bool = False) -> tuple[str, tuple[float, ...] | None]:
         """(algo, shares) of this all_reduce, the same on every rank: "direct" with its
-        shares (None: equal), or, for a caller that left the algorithm to "auto", "chain"
-        where the hosts' links favour it for these shares and bandwidths (model.layout_algo
-        through the communicator's _layout_algo). An exchange point first refreshes the
-        agreement (a collective of its own)."""
+        shares (None: equal), or, for a caller that left the algorithm to "auto", "hier"
+        or "chain" where the hosts' links favour it for these shares and bandwidths
+        (model.layout_algo through the communicator's _layout_algo). An exchange point
+        first refreshes the agreement (a collective of its own)."""
         with self._lock:
             self.ops += 1
             n = self.comm.size
@@ -403,10 +401,11 @@ class Resilience:
             else:
                 plan = self._plan(nbytes)
             shares = None if plan.name == "equal" else tuple(plan.shares)
-            if auto and self.comm._layout_algo(shares, self.agreed) == "chain":
-                plan, shares = model.Plan("chain", (1.0 / n,) * n, math.nan), None
+            how = self.comm._layout_algo(shares, self.agreed) if auto else "direct"
+            if how != "direct":  # the chain or the chain of hosts: no shares
+                plan, shares = model.Plan(how, (1.0 / n,) * n, math.nan), None
             self._note(plan, nbytes)
-            return ("chain" if plan.name == "chain" else "direct"), shares
+            return how, shares
 
     def _plan(self, nbytes: int) -> model.Plan:
         self._bytes_since += nbytes
@@ -450,12 +449,13 @@ class Resilience:
             self.switches.append(
                 {"op": self.ops, "epoch": self.epoch, "schedule": plan.name, "nbytes": nbytes}
             )
-            if plan.name == "chain":
+            if plan.name in ("chain", "hier"):
                 log.info(
-                    "rank %d: all_reduce %d (%d bytes) runs schedule chain (%s), for bandwidths %s",
+                    "rank %d: all_reduce %d (%d bytes) runs schedule %s (%s), for bandwidths %s",
                     self.comm.rank,
                     self.ops,
                     nbytes,
+                    plan.name,
                     self.comm._layout_last[1],
                     "not agreed" if self.agreed is None else _short(self.agreed),
                 )
@@ -499,6 +499,7 @@ class Resilience:
                 avg=avg,
                 lag=lag,
                 algo=algo,
+                groups=self.comm._host_groups(),
             )
             packed = sch.pack()
             with self._lock:
@@ -546,26 +547,27 @@ class Resilience:
         }
 
 
-def _same_host_conns(comm: Any) -> frozenset[int]:
-    """Ids of this rank's connections to ranks on its own host, on real NICs: their
-    packets go host-internal whatever the NICs' cables do, so their paths say nothing
-    about a plane (a pulled cable would leave them up and hide the loss). Loopback planes
-    (127.x, ::1: the tests' and demos' emulated NICs, where a pulled plane is the
-    datapath's doing) keep every path."""
+def _conn_hosts(comm: Any) -> dict[int, str] | None:
+    """Connection id -> peer host for this rank's connections to ranks on other hosts, on
+    real NICs (bandwidth.plane_usable): connections to ranks on its own host go
+    host-internal whatever the cables do, so their paths would hide a pulled one, and a
+    failure seen towards one host only may be that host's cable. None (every path counts,
+    as its own) on loopback planes (127.x, ::1: the tests' and demos' emulated NICs, where
+    a pulled plane is the datapath's doing) or where the hosts are not known."""
     hosts = getattr(comm, "hosts", None)
     if not hosts or len(hosts) != comm.size:
-        return frozenset()
+        return None
     try:
         if all(ipaddress.ip_address(a).is_loopback for a, _ in comm.endpoint.planes):
-            return frozenset()
+            return None
     except ValueError:
-        return frozenset()
+        return None
     me = hosts[comm.rank]
-    return frozenset(
-        p.ids[0]
+    return {
+        p.ids[0]: hosts[r]
         for r, p in enumerate(comm.peers)
-        if p is not None and r != comm.rank and hosts[r] == me
-    )
+        if p is not None and r != comm.rank and hosts[r] != me
+    }
 
 
 def _short(ag: bandwidth.AgreedBandwidths) -> str:

@@ -308,6 +308,7 @@ def all_reduce(
     avg: bool = False,
     lag: int = 4,
     algo: str = "direct",
+    groups: Sequence[int] | None = None,
 ) -> Schedule:
     """Direct all_reduce: reduce-scatter to owners (each reduces the raw
     contributions in rank order), then all-gather of the owners' shares.
@@ -321,8 +322,12 @@ def all_reduce(
         return _all_reduce_gather(rank, n, nbytes, avg)
     if algo == "chain":
         return _all_reduce_chain(rank, n, nbytes, avg)
+    if algo == "hier":
+        return _all_reduce_hier(rank, n, count, esize, groups or [1] * n, avg, lag)
     if algo != "direct":
-        raise UsageError(f"all_reduce algorithm must be direct, gather or chain, got {algo!r}")
+        raise UsageError(
+            f"all_reduce algorithm must be direct, gather, chain or hier, got {algo!r}"
+        )
     sch = Schedule("all_reduce", rank, n, nbytes, nbytes)
     if n == 1:
         sch.reduce(Ref(BUF_RECV, 0), [Ref(BUF_SEND, 0)], nbytes, (), avg)
@@ -405,6 +410,88 @@ def _all_reduce_chain(rank: int, n: int, nbytes: int, avg: bool) -> Schedule:
         up = sch.send(rank + 1, recv, nbytes, [folded])
         folded = sch.recv(rank + 1, recv, nbytes, [up])  # the result, over the partial
     sch.send(rank - 1, recv, nbytes, [folded])
+    return sch
+
+
+def host_groups(hosts: Sequence[str]) -> list[int]:
+    """Sizes of the runs of consecutive ranks on one host: [2, 2] for a, a, b, b."""
+    out: list[int] = []
+    for i, h in enumerate(hosts):
+        if i and h == hosts[i - 1]:
+            out[-1] += 1
+        else:
+            out.append(1)
+    return out
+
+
+def _all_reduce_hier(
+    rank: int, n: int, count: int, esize: int, groups: Sequence[int], avg: bool, lag: int
+) -> Schedule:
+    """The chain over groups of consecutive ranks (a host's ranks), direct inside each.
+
+    The elements are cut into k shares, k the smallest group. In group j, member s
+    (s < k) folds share s: it receives the raw share from every other member of its group
+    and the partial sum of groups 0..j-1 from member s of group j-1, reduces them in rank
+    order (the partial first: it holds every lower rank), and sends the result up to
+    member s of group j+1; the last group's fold is the result, which goes back down the
+    same members and, from each, to the rest of its group. So every element is folded in
+    rank order, the bits of every other algorithm. A host's links carry the chain's
+    bytes (D up and D down per boundary, split over k members), while the dependent hops
+    are 2(m-1) for m groups instead of the chain's 2(n-1). One group is the direct
+    schedule; groups of one rank are the chain.
+
+    Pair order: a folder sends another member of its group raw data (for that member's
+    share) and, later, its result; the results go with lag + 2(m-1) (the chain's round
+    trip, in chunks), so that raw chunks keep flowing while a result is up the chain."""
+    nbytes = count * esize
+    sizes = list(groups)
+    if sum(sizes) != n or any(g < 1 for g in sizes):
+        raise UsageError(f"groups {sizes} do not cut {n} ranks into runs")
+    sch = Schedule("all_reduce_hier", rank, n, nbytes, nbytes)
+    if n == 1:
+        sch.reduce(Ref(BUF_RECV, 0), [Ref(BUF_SEND, 0)], nbytes, (), avg)
+        return sch
+    m, k = len(sizes), min(sizes)
+    starts = [sum(sizes[:j]) for j in range(m)]
+    j = max(g for g in range(m) if starts[g] <= rank)
+    first, size, i = starts[j], sizes[j], rank - starts[j]
+    members = range(first, first + size)
+    b = share_bounds(count, k)
+    span = [(b[s] * esize, (b[s + 1] - b[s]) * esize) for s in range(k)]
+    res_lag = lag + 2 * (m - 1)
+    raw: dict[int, int] = {}
+    for s in range(k):  # the raw shares this rank does not fold, to their folders
+        if first + s != rank:
+            raw[s] = sch.send(first + s, Ref(BUF_SEND, span[s][0]), span[s][1])
+    if i < k:
+        off, ln = span[i]
+        mine = Ref(BUF_RECV, off)
+        got: list[int] = []
+        srcs: list[Ref] = []
+        if j > 0:
+            partial = sch.ring()
+            got.append(sch.recv(starts[j - 1] + i, partial, ln))
+            srcs.append(partial)
+        for r in members:
+            if r == rank:
+                srcs.append(Ref(BUF_SEND, off))
+            else:
+                ring = sch.ring()
+                got.append(sch.recv(r, ring, ln))
+                srcs.append(ring)
+        res = sch.reduce(mine, srcs, ln, got, avg and j == m - 1)
+        if j < m - 1:
+            up = sch.send(starts[j + 1] + i, mine, ln, [res])
+            res = sch.recv(starts[j + 1] + i, mine, ln, [up])  # the result, over the partial
+        if j > 0:
+            sch.send(starts[j - 1] + i, mine, ln, [res])
+        for r in members:
+            if r != rank:
+                sch.send(r, mine, ln, [res], res_lag)
+    for s in range(k):  # the other shares' results, from their folders
+        if first + s != rank:
+            # In place, the result lands where the raw share was sent from: after it.
+            sch.recv(first + s, Ref(BUF_RECV, span[s][0]), span[s][1], [raw[s]], res_lag)
     return sch
 
 
