@@ -2,20 +2,22 @@
 mrc's direct and chain schedules, Gloo, and the links' bound.
 
 Runs as root. Fabric routing/4host-4plane-1g.toml (4 planes x 1 Gbit/s per host), float32
-sum, three placements (mrc-run --hosts): h0,h1,h2,h3 (one rank per host), h0,h0,h1,h1 (two
-hosts, two ranks each) and h0,h0,h1,h1,h2,h2,h3,h3 (four hosts, two each). For each, in
+sum, four placements (mrc-run --hosts): h0,h1,h2,h3 (one rank per host), h0,h0,h1,h1 (two
+hosts, two ranks each), h0,h0,h1,h1,h2,h2,h3,h3 (four hosts, two each) and four ranks on
+each of h0 and h1. For each, in
 --rounds rounds (a fresh launch per framework and round, the order rotated each round):
-`mrc_auto` (what a user gets: model.layout_algo picks direct or chain), `mrc_direct` and
-`mrc_chain` (MRC_ALGO), and `gloo` (torch CPU, its ring, GLOO_SOCKET_IFNAME on the 4
+`mrc_auto` (what a user gets: model.layout_algo picks direct, chain or hier),
+`mrc_direct`, `mrc_chain` and `mrc_hier` (MRC_ALGO: hier is the chain over the hosts,
+direct inside each), and `gloo` (torch CPU, its ring, GLOO_SOCKET_IFNAME on the 4
 planes), at 1, 16 and 64 MiB; the mean per operation of --iters after 8 warm-up ones,
 averaged over the ranks (benchmarks/coll_worker.py), the median over the rounds.
 
 Beside them the links' bound of each schedule: model.host_link_time(hosts, algo) x D over
-a host's 4 Gbit/s, what its busiest host link must carry (no CPU, no latency; Gloo's ring
-in this placement carries what the chain does), and the ratios: auto / direct, auto / the
-better of direct and chain, Gloo / auto, and auto / its schedule's bound.
+a host's 4 Gbit/s, what its busiest host link must carry (no CPU, no latency; hier and
+Gloo's ring in this placement carry what the chain does), and the ratios: auto / direct,
+auto / the best of direct, chain and hier, Gloo / auto, and auto / its schedule's bound.
 
-    python benchmarks/layout_fabric.py [--rounds 2] [--iters 10]    # about 8 minutes
+    python benchmarks/layout_fabric.py [--rounds 2] [--iters 10]    # about 14 minutes
 
 Writes results/layout_fabric.json and .png.
 """
@@ -39,8 +41,9 @@ PLACEMENTS = {
     "1 per host (h0 h1 h2 h3)": ["h0", "h1", "h2", "h3"],
     "2 hosts x 2 (h0 h0 h1 h1)": ["h0", "h0", "h1", "h1"],
     "4 hosts x 2 (h0 h0 .. h3 h3)": ["h0", "h0", "h1", "h1", "h2", "h2", "h3", "h3"],
+    "2 hosts x 4 (h0 x4, h1 x4)": ["h0"] * 4 + ["h1"] * 4,
 }
-FRAMEWORKS = ("mrc_auto", "mrc_direct", "mrc_chain", "gloo")
+FRAMEWORKS = ("mrc_auto", "mrc_direct", "mrc_chain", "mrc_hier", "gloo")
 SIZES = (1 << 20, 16 << 20, 64 << 20)
 HOST_RATE = 4 * 125e6  # bytes/s: 4 planes x 1 Gbit/s
 
@@ -69,13 +72,13 @@ def plot(data: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(data["placements"])
-    fig, axes = plt.subplots(1, len(names), figsize=(5.6 * len(names), 4.4), squeeze=False)
+    fig, axes = plt.subplots(2, 2, figsize=(11.5, 8.6), squeeze=False)
     mib = [s / 2**20 for s in data["sizes"]]
-    for ax, name in zip(axes[0], names, strict=True):
+    for ax, name in zip(axes.flat, names, strict=True):
         pl = data["placements"][name]
         for fw in FRAMEWORKS:
             ax.plot(mib, [pl["time_ms"][fw][str(s)] for s in data["sizes"]], marker="o", label=fw)
-        for algo, style in (("direct", ":"), ("chain", "--")):
+        for algo, style in (("direct", ":"), ("chain", "--")):  # hier's is the chain's
             ax.plot(mib, [pl["bound_ms"][algo][str(s)] for s in data["sizes"]], style,
                     color="gray", label=f"links' bound, {algo}")  # fmt: skip
         ax.set_xscale("log", base=2)
@@ -106,7 +109,8 @@ def main(rounds: int, iters: int) -> None:
     with fabric_up(FAB_1G, prefix="blf") as fab:
         for rnd in range(rounds):
             for name, hosts in PLACEMENTS.items():
-                order = FRAMEWORKS[rnd % 4 :] + FRAMEWORKS[: rnd % 4]
+                k = rnd % len(FRAMEWORKS)
+                order = FRAMEWORKS[k:] + FRAMEWORKS[:k]
                 for fw in order:
                     rows = launch(fab, fw, hosts, iters)
                     for s in SIZES:
@@ -123,14 +127,14 @@ def main(rounds: int, iters: int) -> None:
         bound = {
             a: {str(s): round(model.host_link_time(hosts, a) * s / HOST_RATE * 1e3, 2)
                 for s in SIZES}
-            for a in ("direct", "chain")
+            for a in ("direct", "chain", "hier")
         }  # fmt: skip
         ratios = {}
         for s in map(str, SIZES):
-            auto, d, c, g = (t[fw][s] for fw in FRAMEWORKS)
+            auto, d, c, h, g = (t[fw][s] for fw in FRAMEWORKS)
             ratios[s] = {
                 "auto_over_direct": round(auto / d, 3),
-                "auto_over_best_mrc": round(auto / min(d, c), 3),
+                "auto_over_best_mrc": round(auto / min(d, c, h), 3),
                 "gloo_over_auto": round(g / auto, 3),
                 "auto_over_its_bound": round(auto / bound[algo][s], 3),
             }

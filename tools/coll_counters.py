@@ -12,7 +12,7 @@ the UDP6 counters (RcvbufErrors: socket overflow) and the qdisc drops of every
 namespace of the fabric. Drops zero with duplicates about lost_rto means the timeouts
 were spurious: slow, not lost.
 MRC_ROUTES=planes in the environment: one plain-IPv6 path per plane instead of the route
-table's SRv6 paths (mrc.Communicator's routes); MRC_ALGO=chain (or direct, gather): that
+table's SRv6 paths (mrc.Communicator's routes); MRC_ALGO=chain (or direct, gather, hier): that
 all_reduce algorithm; FAIL=h1-p1l0[,LINK...]: those links failed before the ranks start
 (h1's plane 1: the resilient schedule's case). HOSTS=h0,h0,h1,h1,...: one rank per
 entry on that host (mrc-run --hosts; default 4 ranks, one per host).
