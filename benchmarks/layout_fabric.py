@@ -78,9 +78,9 @@ def plot(data: dict[str, Any], out: Path) -> None:
         pl = data["placements"][name]
         for fw in FRAMEWORKS:
             ax.plot(mib, [pl["time_ms"][fw][str(s)] for s in data["sizes"]], marker="o", label=fw)
-        for algo, style in (("direct", ":"), ("chain", "--")):  # hier's is the chain's
+        for algo, style, what in (("direct", ":", "direct"), ("chain", "--", "chain, hier")):
             ax.plot(mib, [pl["bound_ms"][algo][str(s)] for s in data["sizes"]], style,
-                    color="gray", label=f"links' bound, {algo}")  # fmt: skip
+                    color="gray", label=f"links' bound, {what}")  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("all_reduce size, MiB (float32)")

@@ -30,6 +30,7 @@ KINDS = (
     "barrier",
     "async_all_reduce",
     "chain_all_reduce",
+    "hier_all_reduce",
 )
 ESIZE = {"int8": 1, "uint8": 1, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
          "float32": 4, "float64": 8}  # fmt: skip
@@ -116,11 +117,11 @@ def run(comm: Any, seed: int, c: Call) -> bool:
     if c.kind == "barrier":
         comm.barrier()
         return True
-    if c.kind in ("all_reduce", "chain_all_reduce"):
+    if c.kind in ("all_reduce", "chain_all_reduce", "hier_all_reduce"):
         ins = [inp(r, c.count) for r in range(n)]
         mine = ins[rank].copy()
         out = None if c.in_place else np.empty_like(mine)
-        algo = "chain" if c.kind == "chain_all_reduce" else "auto"
+        algo = c.kind.split("_")[0] if c.kind != "all_reduce" else "auto"
         got = comm.all_reduce(mine, out, op=c.op, dtype=dt, algo=algo)
         return bits(got) == bits(M.reference(ins, c.dtype, c.op))
     if c.kind == "async_all_reduce":
