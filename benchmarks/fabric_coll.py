@@ -140,6 +140,17 @@ def stream(
     return run
 
 
+def sized_rows(run: Run, sizes: Sequence[int], what: str) -> dict[int, dict[str, Any]]:
+    """A sweep's rows by size; exits naming `what` when the run failed, missed a size or
+    got a wrong result."""
+    rows = {int(r["size"]): r for r in run.rows if "size" in r}
+    if run.status != "ok" or len(rows) != len(sizes):
+        raise SystemExit(f"{what}: {run.status}: {run.message}")
+    if any(r["wrong"] for r in rows.values()):
+        raise SystemExit(f"{what}: wrong results: {rows}")
+    return rows
+
+
 def worker_args(coll: str, sizes: Sequence[int], iters: int, warmup: int, *extra: str) -> list[str]:
     return [
         WORKER,

@@ -32,7 +32,7 @@ from typing import Any
 
 import click
 from common import RESULTS, load_note, record_load, save
-from fabric_coll import FAB_1G, ROOT, ensure_torch, run_gloo, run_mrc, worker_args
+from fabric_coll import FAB_1G, ROOT, ensure_torch, run_gloo, run_mrc, sized_rows, worker_args
 
 from mrc.collectives import model
 from mrc.fabric.testing import fabric_up
@@ -57,12 +57,7 @@ def launch(fab: Any, fw: str, hosts: list[str], iters: int) -> dict[int, dict[st
     else:
         algo = fw.removeprefix("mrc_")
         run = run_mrc(fab, args, {"MRC_ALGO": algo, "OMP_NUM_THREADS": "1"}, hosts=hosts)
-    rows = {int(r["size"]): r for r in run.rows if "size" in r}
-    if run.status != "ok" or len(rows) != len(SIZES):
-        raise SystemExit(f"{fw} on {','.join(hosts)}: {run.status}: {run.message}")
-    if any(r["wrong"] for r in rows.values()):
-        raise SystemExit(f"{fw} on {','.join(hosts)}: wrong results: {rows}")
-    return rows
+    return sized_rows(run, SIZES, f"{fw} on {','.join(hosts)}")
 
 
 def plot(data: dict[str, Any], out: Path) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 from common import RESULTS, load_note, record_load, save
-from fabric_coll import PY, ensure_torch, stream, worker_args
+from fabric_coll import PY, ensure_torch, sized_rows, stream, worker_args
 
 FRAMEWORKS = {
     "mrc_direct": ("mrc", {"MRC_ALGO": "direct"}),
@@ -37,12 +37,7 @@ def run_point(fw: str, n: int, sizes: list[int], iters: int) -> dict[int, dict[s
     worker, *args = worker_args("all_reduce", sizes, iters, 1)
     cmd = [PY, "-m", "mrc.run", "-n", str(n), "--timeout", "600", "--", PY, worker, backend, *args]
     run = stream(cmd, {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", **extra})
-    rows = {int(row["size"]): row for row in run.rows if "size" in row}
-    if run.status != "ok" or len(rows) != len(sizes):
-        raise SystemExit(f"{fw} at {n} ranks: {run.status}, {run.message}")
-    if any(row["wrong"] for row in rows.values()):
-        raise SystemExit(f"{fw} at {n} ranks: wrong results {rows}")
-    return rows
+    return sized_rows(run, sizes, f"{fw} at {n} ranks")
 
 
 def plot(data: dict[str, Any], out: Path) -> None:

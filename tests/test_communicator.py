@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import wait_for
 
 import mrc
 from mrc import _datapath
@@ -37,6 +38,19 @@ from mrc.collectives.rendezvous import UniqueId
 from mrc.routing import load_fabric
 
 WORKER = str(Path(__file__).with_name("comm_worker.py"))
+
+
+def stop(pid: int) -> None:
+    """SIGSTOP, then wait until every thread of pid is stopped: kill() returns before
+    the signal has reached a thread that is running, which could still take a packet."""
+
+    def stopped() -> bool:
+        tasks = Path(f"/proc/{pid}/task")
+        return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] in "tT"
+                   for t in tasks.iterdir())  # fmt: skip
+
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(stopped, what=f"process {pid} stopped")
 
 
 def start_ranks(
@@ -817,7 +831,7 @@ def test_a_hung_rank_is_named_by_the_rank_that_found_it_to_the_others() -> None:
         for p in procs[:hung]:
             assert p.stdout is not None
             assert json.loads(p.stdout.readline()).get("meshed")
-        os.kill(victim.pid, signal.SIGSTOP)
+        stop(victim.pid)
         for p in procs[:hung]:  # only now: rank 2 must not take rank 1's data first
             assert p.stdin is not None
             p.stdin.write("go\n")
@@ -827,8 +841,8 @@ def test_a_hung_rank_is_named_by_the_rank_that_found_it_to_the_others() -> None:
         procs[hung].kill()
         procs[hung].wait()
     for got in res:
-        assert got.get("type") == "CollectiveError", got
-        assert got["err_rank"] == hung and "connection to rank 2 failed" in got["error"], got
+        assert got.get("type") == "CollectiveError", res
+        assert got["err_rank"] == hung and "connection to rank 2 failed" in got["error"], res
         # the transport's timeout gave up, and the error says whose (a transport timeout
         # used to read "no progress for" the communicator's 30 s)
         assert "(the endpoint's timeout: 5 s)" in got["error"], got
@@ -853,7 +867,7 @@ def test_a_hung_rank_0_is_not_blamed_on_the_rank_that_found_it() -> None:
         for p in procs[1:]:
             assert p.stdout is not None
             assert json.loads(p.stdout.readline()).get("meshed")
-        os.kill(victim.pid, signal.SIGSTOP)
+        stop(victim.pid)
         for p in procs[1:]:
             assert p.stdin is not None
             p.stdin.write("go\n")

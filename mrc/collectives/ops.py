@@ -633,7 +633,7 @@ class Collectives:
                 lag=lag,
                 algo=algo,
                 groups=self._host_groups(),
-            ),  # fmt: skip
+            ),
         )
         sig = signature("all_reduce", s.count, s.dtype, op, sh, algo)
         if repeat_key is not None:
