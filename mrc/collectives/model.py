@@ -22,6 +22,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from mrc.collectives.schedule import host_groups
 from mrc.errors import UsageError
 
 # The keys of `mrc-perf model --json`, in this order.
@@ -653,7 +654,7 @@ def layout_algo(
     n = len(hosts)
     if n < 3:
         return "direct", "2 ranks: the same two transfers"
-    runs = 1 + sum(hosts[i] != hosts[i - 1] for i in range(1, n))
+    runs = len(host_groups(hosts))
     if runs == 1:
         if n > CHAIN_MAX_RANKS:
             return "direct", f"{n} ranks on one host: more than {CHAIN_MAX_RANKS}"

@@ -392,11 +392,17 @@ class Collectives:
             return
         raise self._failed(what, rc, peer)
 
+    def _known_hosts(self) -> list[str] | None:
+        """Every rank's host (a Communicator's, from the rendezvous); None where they are
+        not known (a bare Collectives, as the tests' meshes)."""
+        hosts = getattr(self, "hosts", None)
+        return hosts if hosts and len(hosts) == self.size else None
+
     def _host_groups(self) -> list[int] | None:
         """The runs of consecutive ranks on one host (schedule.host_groups), for "hier";
         None where the hosts are not known (hier is then the chain)."""
-        hosts = getattr(self, "hosts", None)
-        return S.host_groups(hosts) if hosts and len(hosts) == self.size else None
+        hosts = self._known_hosts()
+        return None if hosts is None else S.host_groups(hosts)
 
     def _layout_algo(self, shares: tuple[float, ...] | None, agreed: Any) -> str:
         """What algo="auto" runs past gather's sizes: "hier", "chain" or "direct", by this
@@ -404,8 +410,8 @@ class Collectives:
         agreed rates (None: equal). The same on every rank: the hosts come from the
         rendezvous's table, shares and rates from the agreement. Ranks that know no hosts
         (a bare Collectives, as the tests' meshes) run direct."""
-        hosts = getattr(self, "hosts", None)
-        if not hosts or len(hosts) != self.size:
+        hosts = self._known_hosts()
+        if hosts is None:
             return "direct"
         bw = (None, None) if agreed is None else (tuple(agreed.send), tuple(agreed.recv))
         key = (tuple(hosts), shares, bw)
