@@ -1661,6 +1661,7 @@ cdef class CollExecutor:
         plan.ndeps = <uint32_t>(deps.shape[0] // 4)
         plan.deps = <const uint32_t *>&deps[0] if plan.ndeps else NULL
         plan.nrings = packed.nrings
+        plan.stage_bytes = packed.stage_bytes
         a.dtype = dtype
         a.op = op
         a.sig = sig

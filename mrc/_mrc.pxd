@@ -202,6 +202,7 @@ cdef extern from "mrc.h" nogil:
         uint32_t nrefs
         const uint32_t *deps
         uint32_t ndeps
+        uint64_t stage_bytes
     struct mrc_coll_args:
         void *send
         uint64_t send_len

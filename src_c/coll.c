@@ -144,6 +144,7 @@ struct run {
     uint32_t *nlist, *inflight;
     uint8_t *bufs[2];
     uint64_t buf_len[2];
+    uint64_t stage_at;      /* where MRC_BUF_STAGE starts in scratch: after the rings */
     size_t esize;
     uint32_t steps_done;
     int rc, failed_peer;
@@ -345,9 +346,9 @@ static int check_ref(const struct run *r, uint32_t i, uint64_t len)
     const struct mrc_coll_ref *f = &r->p->refs[i];
     if (f->buf == MRC_BUF_SCRATCH)
         return f->off < r->p->nrings ? 0 : MRC_EUSAGE;
-    if (f->buf > MRC_BUF_RECV)
+    if (f->buf > MRC_BUF_STAGE)
         return MRC_EUSAGE;
-    uint64_t blen = r->buf_len[f->buf];
+    uint64_t blen = f->buf == MRC_BUF_STAGE ? r->p->stage_bytes : r->buf_len[f->buf];
     return f->off <= blen && len <= blen - f->off ? 0 : MRC_EUSAGE;
 }
 
@@ -425,8 +426,8 @@ static void early_sends(struct run *r)
     const struct mrc_coll_plan *p = r->p;
     for (uint32_t s = 0; s < p->nsteps; s++) {
         const struct mrc_coll_step *t = &p->steps[s];
-        if (t->kind != MRC_STEP_SEND || p->refs[t->src].buf == MRC_BUF_SCRATCH)
-            continue;
+        if (t->kind != MRC_STEP_SEND || p->refs[t->src].buf > MRC_BUF_RECV)
+            continue; /* scratch and stage are the next call's too */
         bool settled = true;
         for (uint32_t w = 0; w < p->nsteps && settled; w++)
             settled = !written_under(r, s, w);
@@ -529,6 +530,12 @@ static uint8_t *ref_chunk(const struct run *r, const struct mrc_coll_ref *f, uin
         return c->scratch + off;
     }
     off = f->off + (uint64_t)i * c->chunk;
+    if (f->buf == MRC_BUF_STAGE) {
+        off += r->stage_at;
+        if (mr)
+            *mr = c->scratch_mr, *loff = off;
+        return c->scratch + off;
+    }
     if (mr)
         *mr = c->user_mr[f->buf], *loff = c->mr_base[f->buf] + off;
     return r->bufs[f->buf] ? r->bufs[f->buf] + off : NULL;
@@ -1148,8 +1155,11 @@ int mrc_coll_run(mrc_coll *c, const struct mrc_coll_plan *p, const struct mrc_co
         rc = link_rings(&r);
     if (!rc)
         rc = build_lists(&r);
+    r.stage_at = (uint64_t)p->nrings * (uint64_t)c->slots * c->chunk;
+    if (!rc && p->stage_bytes > UINT64_MAX - 64 - r.stage_at)
+        rc = MRC_EUSAGE;
     if (!rc)
-        rc = scratch_reserve(c, (uint64_t)p->nrings * (uint64_t)c->slots * c->chunk);
+        rc = scratch_reserve(c, r.stage_at + p->stage_bytes);
     if (!rc)
         rc = register_user(c, &r, a);
     if (rc) {

@@ -13,8 +13,9 @@
 Every rank all-reduces the same input every time (a function of its rank, of
 MRC_TEST_COUNT elements, default COUNT; every other operation with async_op=True, so on
 the collectives' worker thread), hashes each result and prints one JSON line at the
-end: the hashes, the schedule of each operation and the agreed planes when the schedule
-changed. The schedule is agreed, so every rank stops after the same operation.
+end: the hashes, the resilient planner's schedule of each operation, the executor's
+schedule that ran it and the agreed planes when the schedule changed. The schedule is
+agreed, so every rank stops after the same operation.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main() -> None:
     out = np.empty_like(x)
     hashes: list[str] = []
     schedules: list[str] = []
+    ran: list[str] = []  # the executor's schedule of each operation (tree, chain, ...)
     planes: dict[int, list[list[int]]] = {}
     went_resilient = False
     ok = True
@@ -62,8 +64,9 @@ def main() -> None:
         else:
             comm.all_reduce(x, out)
         hashes.append(hashlib.sha256(out.tobytes()).hexdigest())
+        ran.append(comm.collective_stats()["last"]["schedule"])
         st = comm.stats()["resilient"]
-        name = st["schedule"]["schedule"]
+        name = st["schedule"]["schedule"] if st["schedule"] else "none"  # small: not planned
         if (not schedules or schedules[-1] != name) and st["agreed"] is not None:
             planes[i] = st["agreed"]["planes_up"]
         schedules.append(name)
@@ -84,6 +87,7 @@ def main() -> None:
         "ok": ok,
         "hashes": hashes,
         "schedules": schedules,
+        "ran": ran,
         "planes": {str(k): v for k, v in planes.items()},
         "stats": comm.stats()["resilient"],
         "auto_layout": comm.collective_stats()["auto_layout"],

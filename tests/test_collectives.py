@@ -49,7 +49,7 @@ def test_kernels_match_numpy(dtype: str, op: str) -> None:
 # ---- every collective x op x dtype ------------------------------------------
 
 
-@pytest.mark.parametrize("algo", ["direct", "gather", "chain"])
+@pytest.mark.parametrize("algo", ["direct", "gather", "chain", "tree"])
 def test_all_reduce_every_op_and_dtype(ranks, algo: str) -> None:
     n = len(ranks)
     case = 0
@@ -98,6 +98,48 @@ def test_hier_every_op_and_dtype(hosts: str) -> None:
                     for r, (got, sched) in enumerate(ok(run_ranks(rs, go))):
                         assert bits(got) == want, f"{dtype} {op} count {count} rank {r}"
                         assert sched == "all_reduce_hier"
+
+
+def test_small_calls_go_up_and_down_a_tree_from_its_rank_count() -> None:
+    """From tree_min_ranks ranks (schedule.TREE_MIN_RANKS, lowered here so that 5
+    in-process ranks reach it) "auto" runs small all_reduces and reduces up a binomial
+    tree, small broadcasts down one, from any root, and the barrier by dissemination:
+    the reference's bits for every op and dtype, in and out of place."""
+    n = 5
+    names = {"all_reduce_tree", "reduce_tree", "broadcast_tree", "barrier_dissemination"}
+    with mesh(n) as rs:
+        for rk in rs:
+            rk.tree_min_ranks = 3
+        for case, (dtype, op) in enumerate((d, o) for d in DTYPES for o in OPS):
+            count, root = 1 + case % 9, case % n
+            ins = [data(dtype, count, 10 * case + r, op) for r in range(n)]
+            want = bits(M.reference(ins, dtype, op))
+            dt = "bfloat16" if dtype == "bfloat16" else None
+
+            def go(rk, ins=ins, op=op, dt=dt, root=root, in_place=case % 2 == 0):
+                mine = ins[rk.rank].copy()
+                ran = []
+                out = rk.all_reduce(
+                    mine, None if in_place else np.empty_like(mine), op=op, dtype=dt
+                )
+                ran.append(rk.collective_stats()["last"]["schedule"])
+                src = ins[rk.rank].copy()
+                red = src if in_place else np.empty_like(src)
+                rk.reduce(src, None if in_place else red, op=op, root=root, dtype=dt)
+                ran.append(rk.collective_stats()["last"]["schedule"])
+                b = ins[rk.rank].copy()
+                rk.broadcast(b, root=root, dtype=dt)
+                ran.append(rk.collective_stats()["last"]["schedule"])
+                rk.barrier()
+                ran.append(rk.collective_stats()["last"]["schedule"])
+                return out, red, b, ran
+
+            for r, (out, red, b, ran) in enumerate(ok(run_ranks(rs, go))):
+                assert bits(out) == want, f"all_reduce {dtype} {op} rank {r}"
+                if r == root:
+                    assert bits(red) == want, f"reduce {dtype} {op} root {root}"
+                assert bits(b) == bits(ins[root]), f"broadcast {dtype} root {root} rank {r}"
+                assert set(ran) == names
 
 
 def test_auto_gathers_up_to_the_threshold_for_its_rank_count(ranks) -> None:
@@ -306,13 +348,15 @@ def test_chunk_sizes_and_shares_give_identical_bits() -> None:
     assert st["scratch_bytes"] == 3 * 3 * 1000 and st["failure"] is None
 
 
-@pytest.mark.parametrize("algo", ["chain", "hier"])
+@pytest.mark.parametrize("algo", ["chain", "hier", "tree"])
 def test_chain_gives_the_same_bits_at_any_chunk_size_and_under_loss(algo: str) -> None:
     """The chain folds each element hop by hop up the ranks (bfloat16 rounded at every
     hop, as a REDUCE rounds at every source), so it gives the direct schedule's bits:
     many chunks through a 2-slot ring, in place and out of place, with 5% loss on a
     plane of every rank. So does "hier" (ranks on hosts a, a, b, b, b: the chain of the
-    two hosts' shares, direct inside each)."""
+    two hosts' shares, direct inside each). So does "tree", whose gathered inputs
+    (a subtree's, sent up as one message) span chunks that the RECVs which brought them
+    cut elsewhere."""
     n = 5
     for dtype, count in (("float32", 300_001), ("bfloat16", 200_003), ("int32", 70_001)):
         ins = [data(dtype, count, 7 * r + 1) for r in range(n)]
@@ -647,7 +691,8 @@ def test_small_calls_drive_the_progress_or_ask_for_a_busy_poll(monkeypatch: Any)
     (ep.stats()["caller_passes"]); a larger one that fits the bounce slots asks the
     progress thread to poll its sockets instead of sleeping (["busy_polls"]), both for
     busy_poll_us. MRC_BUSY_POLL_US=0 does neither, with the same bits; a bad value is
-    refused."""
+    refused. MRC_TREE_MIN_RANKS, read the same way, moves where the tree schedules
+    start."""
     tiny = [data("float32", 1000, r) for r in range(2)]  # 4000 B: the caller drives
     small = [data("float32", 10_000, r) for r in range(2)]  # 40 KB: the thread polls
     want = [bits(M.reference(ins, "float32", "sum")) for ins in (tiny, small)]
@@ -673,6 +718,15 @@ def test_small_calls_drive_the_progress_or_ask_for_a_busy_poll(monkeypatch: Any)
     monkeypatch.setenv("MRC_BUSY_POLL_US", "soon")
     with pytest.raises(UsageError, match="MRC_BUSY_POLL_US"), mesh(2):
         pass
+    monkeypatch.delenv("MRC_BUSY_POLL_US")
+    monkeypatch.setenv("MRC_TREE_MIN_RANKS", "3")
+    with mesh(3) as rs:
+        ok(run_ranks(rs, lambda rk: rk.barrier()))
+        assert rs[0].collective_stats()["last"]["schedule"] == "barrier_dissemination"
+    for bad in ("1", "many"):
+        monkeypatch.setenv("MRC_TREE_MIN_RANKS", bad)
+        with pytest.raises(UsageError, match="MRC_TREE_MIN_RANKS"), mesh(2):
+            pass
 
 
 def test_large_buffers_keep_a_bounded_number_of_regions() -> None:

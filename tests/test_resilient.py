@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from mrc.collectives import model, resilient
+from mrc.collectives import schedule as S
 from mrc.fabric.testing import fabric_up
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -264,6 +265,26 @@ def test_eight_ranks_on_one_host_take_the_chain() -> None:
         assert got[r]["auto_layout"] == {
             "algo": "chain", "why": f"{n} ranks on one host: two neighbours each instead of {n - 1}"
         }  # fmt: skip
+
+
+def test_sixteen_ranks_gather_small_inputs_up_a_tree() -> None:
+    """No fabric, 16 ranks on this host: "auto" runs a small all_reduce as "tree"
+    (schedule.TREE_MIN_RANKS: the inputs up a binomial tree, rank 0 folds them in rank
+    order, the result back down) with the rank-order bits, sync and async."""
+    n = S.TREE_MIN_RANKS
+    count = 3  # 12 bytes
+    assert S.small_all_reduce(n, 4 * count) == "tree"
+    p = subprocess.run(
+        [sys.executable, "-m", "mrc.run", "-n", str(n), "--timeout", "60", "--",
+         sys.executable, WORKER, "loop", "4"],
+        capture_output=True, text=True, cwd=ROOT, timeout=180,
+        env={**os.environ, "MRC_TEST_COUNT": str(count)},
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = results(p.stdout.splitlines(keepends=True), n)
+    ref = reference_sha(count, n)
+    for r in range(n):
+        assert got[r]["hashes"] == [ref] * 4 and got[r]["ran"] == ["all_reduce_tree"] * 4
 
 
 @pytest.mark.root

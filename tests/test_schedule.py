@@ -73,6 +73,49 @@ def test_hier_all_reduce_any_order_same_bits(groups, count, in_place) -> None:
         S.all_reduce(0, 3, 4, 4, algo="hier", groups=[2, 2])
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16])
+@pytest.mark.parametrize("count", [0, 1, 13, 40])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_tree_all_reduce_any_order_same_bits(n, count, in_place) -> None:
+    """ "tree" (inputs gathered up a binomial tree, rank 0 folds, the result back down):
+    the reference's bits in any arrival order with 8-byte chunks (so a subtree's
+    gathered inputs span chunks that the RECVs which brought them cut elsewhere)."""
+    for dtype, esize, op in (("float32", 4, "avg"), ("bfloat16", 2, "sum")):
+        xs = [f32(count, r) for r in range(n)]
+        if dtype == "bfloat16":
+            xs = [M.f32_to_bf16(x) for x in xs]
+        want = M.reference(xs, dtype, op).tobytes()
+        for seed in range(3):
+            ins = [x.view(np.uint8).copy() for x in xs]
+            outs = ins if in_place else [np.zeros_like(i) for i in ins]
+            sch = [S.all_reduce(r, n, count, esize, avg=op == "avg", algo="tree") for r in range(n)]
+            run(sch, ins, outs, op=op, dtype=dtype, seed=seed)
+            assert all(o.tobytes() == want for o in outs), (n, dtype, seed)
+
+
+def test_binomial_tree_shape() -> None:
+    """Every rank but the root has one parent, subtrees are contiguous in virtual
+    rank order, the depth at most ceil(log2 n); a rank sends at most one message up
+    and one down per child."""
+    for n in range(1, 40):
+        for root in (0, n // 2, n - 1):
+            depth = {root: 0}
+            for v in range(n):
+                r = (v + root) % n
+                parent, children, span = S.binomial(r, n, root)
+                assert (parent == -1) == (r == root)
+                if parent >= 0:
+                    assert r in S.binomial(parent, n, root)[1]
+                    depth[r] = depth[parent] + 1
+                assert 1 + sum(S.binomial(c, n, root)[2] for c in children) == span
+            assert max(depth.values()) == max(bin(v).count("1") for v in range(n))
+            assert max(depth.values()) <= (n - 1).bit_length()
+    msgs = [
+        sum(st.peer >= 0 for st in S.all_reduce(r, 64, 2, 4, algo="tree").steps) for r in range(64)
+    ]
+    assert sum(msgs) == 4 * 63  # each tree edge: one message up, one down, both ends count it
+
+
 def test_hier_is_direct_in_one_group_and_the_chain_in_groups_of_one() -> None:
     """The two ends of "hier": the same transfers as direct (one group) and as the
     chain (every group one rank), and the host runs of a layout."""
@@ -88,17 +131,29 @@ def test_hier_is_direct_in_one_group_and_the_chain_in_groups_of_one() -> None:
     assert S.host_groups(list("aabbbca")) == [2, 3, 1, 1]
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, 3, 4, 7])
 def test_every_other_schedule(n) -> None:
     count = 11
     xs = [f32(count * n, r) for r in range(n)]
     red = M.reference(xs, "float32", "max")
     for root in range(n):
-        ins = [x.view(np.uint8).copy() for x in xs]
-        outs = [np.zeros_like(i) if r == root else np.zeros(0, np.uint8) for r, i in enumerate(ins)]
-        run([S.reduce(r, n, count * n, 4, root) for r in range(n)], ins, outs, op="max")
-        assert outs[root].tobytes() == red.tobytes()
-        for algo in ("direct", "scatter"):
+        for algo in ("direct", "tree"):
+            ins = [x.view(np.uint8).copy() for x in xs]
+            outs = [
+                np.zeros_like(x) if r == root else np.zeros(0, np.uint8) for r, x in enumerate(ins)
+            ]
+            sch = [S.reduce(r, n, count * n, 4, root, algo=algo) for r in range(n)]
+            run(sch, ins, outs, op="max")
+            assert outs[root].tobytes() == red.tobytes()
+            # In place at root: the fold writes the input it reads first.
+            run(
+                sch,
+                ins,
+                [x if r == root else o for r, (x, o) in enumerate(zip(ins, outs, strict=True))],
+                op="max",
+            )
+            assert ins[root].tobytes() == red.tobytes()
+        for algo in ("direct", "scatter", "tree"):
             bufs = [x.view(np.uint8).copy() for x in xs]
             run([S.broadcast(r, n, count * n, 4, root, algo) for r in range(n)], bufs, bufs)
             assert all(b.tobytes() == xs[root].tobytes() for b in bufs)
@@ -120,6 +175,74 @@ def test_every_other_schedule(n) -> None:
         assert outs[b].tobytes() == np.concatenate(want).tobytes()
     empty = [np.zeros(0, np.uint8) for _ in range(n)]
     run([S.barrier(r, n) for r in range(n)], empty, empty)
+
+
+@pytest.mark.parametrize("n", [9, 16, 21])
+def test_tree_reduce_and_broadcast_from_any_root(n) -> None:
+    """reduce and broadcast as "auto" runs them from schedule.TREE_MIN_RANKS ranks (up
+    and down a binomial tree rooted anywhere), in the simulator with 8-byte chunks: the
+    rank-order fold's bits at root, root's buffer everywhere; and whether auto takes
+    them at this rank count."""
+    count = 5
+    xs = [f32(count, r) for r in range(n)]
+    red = M.reference(xs, "float32", "sum").tobytes()
+    for root in (0, 1, n // 2, n - 1):
+        ins = [x.view(np.uint8).copy() for x in xs]
+        outs = [np.zeros_like(x) if r == root else np.zeros(0, np.uint8) for r, x in enumerate(ins)]
+        run([S.reduce(r, n, count, 4, root, algo="tree") for r in range(n)], ins, outs, seed=root)
+        assert outs[root].tobytes() == red
+        bufs = [x.view(np.uint8).copy() for x in xs]
+        run([S.broadcast(r, n, count, 4, root, "tree") for r in range(n)], bufs, bufs, seed=root)
+        assert all(b.tobytes() == xs[root].tobytes() for b in bufs)
+    tree = n >= S.TREE_MIN_RANKS
+    assert S.broadcast(0, n, count, 4, 0).name == ("broadcast_tree" if tree else "broadcast")
+    assert S.tree_fits(n, 4 * count) == tree
+    assert S.small_all_reduce(n, 4) == ("tree" if tree else "gather")
+
+
+def _heard_from(schedules) -> list[set[int]]:
+    """Per rank, the ranks some step of which must have run before this rank's call can
+    end: through its own steps' dependencies and, for each RECV, the matching SEND's
+    (a call ends when its RECVs have their data, which comes only once posted)."""
+    send_of = {}
+    for q, sch in enumerate(schedules):
+        for i, st in enumerate(sch.steps):
+            if st.kind == S.SEND:
+                send_of[(q, st.peer, st.pair_seq)] = i
+    memo: dict[tuple[int, int], set[int]] = {}
+
+    def before(r: int, i: int) -> set[int]:
+        if (r, i) not in memo:
+            st = schedules[r].steps[i]
+            got = {r}
+            for d in st.deps:
+                got |= before(r, d)
+            if st.kind == S.RECV:
+                got |= before(st.peer, send_of[(st.peer, r, st.pair_seq)])
+            memo[(r, i)] = got
+        return memo[(r, i)]
+
+    return [
+        set().union(*(before(r, i) for i in range(len(s.steps)))) for r, s in enumerate(schedules)
+    ]
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 15, 16, 17, 31, 33, 64, 100])
+def test_barrier_waits_for_every_rank(n) -> None:
+    """No rank can leave the barrier before every rank entered it: each rank's call
+    ends only after a step of every rank (dissemination from schedule.TREE_MIN_RANKS
+    ranks: ceil(log2 n) rounds, one message each way per round)."""
+    schedules = [S.barrier(r, n) for r in range(n)]
+    S.check_pair(schedules)
+    assert all(h == set(range(n)) for h in _heard_from(schedules))
+    rounds = (n - 1).bit_length() if n >= S.TREE_MIN_RANKS else n - 1
+    assert all(sum(st.kind == S.SEND for st in s.steps) == rounds for s in schedules)
+    # One round short would not do: the check can fail.
+    short = [S.barrier(r, n) for r in range(n)]
+    if n >= S.TREE_MIN_RANKS:
+        for s in short:
+            s.steps = s.steps[:-2]
+        assert any(h != set(range(n)) for h in _heard_from(short))
 
 
 def test_share_bounds() -> None:

@@ -68,7 +68,7 @@ SLOTS_MIN, SLOTS_MAX = 4, 16
 # was no faster (241 ms against 238-246, the degraded runs of scratch_slots) and staged
 # no less (coll_memory: 5.5-17.5 MiB per rank against 1.0-14.5).
 WINDOW = 4
-ALL_REDUCE_ALGOS = ("auto", "direct", "gather", "chain", "hier")
+ALL_REDUCE_ALGOS = ("auto", "direct", "gather", "chain", "hier", "tree")
 
 log = logging.getLogger("mrc.collectives")
 # Small calls (send + recv within the executor's 256 KiB bounce slots): the progress
@@ -254,6 +254,9 @@ class Collectives:
     slots: int = 0  # scratch slots per ring, the pipeline depth and lag; 0: scratch_slots()
     busy_poll_us: int | None = None  # None: MRC_BUSY_POLL_US, else BUSY_POLL_US
     all_reduce_algo: str | None = None  # what algo="auto" means; None: MRC_ALGO, else "auto"
+    # From how many ranks small calls go up and down a binomial tree (schedule.tree_fits);
+    # None: MRC_TREE_MIN_RANKS, else schedule.TREE_MIN_RANKS. The same on every rank.
+    tree_min_ranks: int | None = None
 
     # -- life (called by the communicator) --
     def _collectives_init(self) -> None:
@@ -263,6 +266,12 @@ class Collectives:
             self.busy_poll_us = env_int("MRC_BUSY_POLL_US", BUSY_POLL_US)
         if not 0 <= self.busy_poll_us <= 1_000_000:
             raise UsageError(f"busy_poll_us = {self.busy_poll_us}: must be 0 to 1000000")
+        if self.tree_min_ranks is None:
+            self.tree_min_ranks = env_int("MRC_TREE_MIN_RANKS", S.TREE_MIN_RANKS)
+        if self.tree_min_ranks < 2:
+            raise UsageError(
+                f"MRC_TREE_MIN_RANKS (or tree_min_ranks) = {self.tree_min_ranks}: must be >= 2"
+            )
         if self.all_reduce_algo is None:
             self.all_reduce_algo = os.environ.get("MRC_ALGO", "") or "auto"
         if self.all_reduce_algo not in ALL_REDUCE_ALGOS:
@@ -570,10 +579,13 @@ class Collectives:
         input: one exchange, for small messages), "chain" (the partial result up the
         ranks in order and the result back down: two neighbours per rank, for many
         ranks), "hier" (that chain over the hosts' runs of consecutive ranks, each
-        host's share split over its ranks, direct inside a host) or "auto" (gather
-        without shares up to schedule.gather_max_bytes(n): 96 KiB at 4 ranks, 27 KiB
-        at 8, 11 KiB at 16; past it direct, or hier / chain where the ranks' hosts
-        favour it: model.layout_algo); every algo gives the same bits. Returns recv."""
+        host's share split over its ranks, direct inside a host), "tree" (the inputs
+        gathered up a binomial tree to rank 0, which reduces them, the result back
+        down: 2 log2(n) hops, about 2 messages per rank, for small messages at many
+        ranks) or "auto" (without shares: gather up to schedule.gather_max_bytes(n),
+        96 KiB at 4 ranks, 27 KiB at 8; from 16 ranks tree instead, up to 1 MiB / n;
+        past it direct, or hier / chain where the ranks' hosts favour it:
+        model.layout_algo); every algo gives the same bits. Returns recv."""
         repeat_key = None  # the call's shape, when it may be remembered (_remember)
         if type(send) is np.ndarray and shares is None and dtype is None:
             repeat_key = ("all_reduce", send.dtype, send.size, op, algo)
@@ -594,8 +606,10 @@ class Collectives:
             algo = self.all_reduce_algo or "auto"
         auto = algo == "auto"  # past gather's sizes, the hosts' layout picks (_layout_algo)
         if algo == "auto":
-            small = s.count * s.esize <= S.gather_max_bytes(self.size) and sh is None
-            algo = "gather" if small else "direct"
+            nbytes = s.count * s.esize
+            least = self.tree_min_ranks
+            small = None if sh is not None else S.small_all_reduce(self.size, nbytes, least)
+            algo = small or "direct"
         if algo not in ALL_REDUCE_ALGOS:
             raise UsageError(
                 f"all_reduce: algo must be one of {', '.join(ALL_REDUCE_ALGOS)}, got {algo!r}"
@@ -672,11 +686,13 @@ class Collectives:
         code = _op(op)
         what = f"reduce of {s.count} {s.dtype} ({op}, root {root})"
         n, rank, lag = self.size, self.rank, self.slots
+        tree = S.tree_fits(n, s.count * s.esize, self.tree_min_ranks)
+        algo = "tree" if tree else "direct"
         packed = self._plan(
-            ("reduce", s.count, s.esize, root, op == "avg"),
-            lambda: S.reduce(rank, n, s.count, s.esize, root, avg=op == "avg", lag=lag),
+            ("reduce", s.count, s.esize, root, op == "avg", algo),
+            lambda: S.reduce(rank, n, s.count, s.esize, root, avg=op == "avg", lag=lag, algo=algo),
         )
-        sig = signature("reduce", s.count, s.dtype, op, root)
+        sig = signature("reduce", s.count, s.dtype, op, root, algo)
         out = (send if recv is None else recv) if rank == root else None
         return self._submit(
             what, lambda: self._do(what, packed, s, r, s.dtype, code, sig, out), async_op
@@ -692,12 +708,12 @@ class Collectives:
         self._check_root(root, "broadcast")
         b = as_buffer(buf, dtype, "broadcast buf", self.rank != root)
         what = f"broadcast of {b.count} {b.dtype} (root {root})"
-        n, rank = self.size, self.rank
+        n, rank, least = self.size, self.rank, self.tree_min_ranks
         packed = self._plan(
-            ("broadcast", b.count, b.esize, root),
-            lambda: S.broadcast(rank, n, b.count, b.esize, root),
+            ("broadcast", b.count, b.esize, root, least),
+            lambda: S.broadcast(rank, n, b.count, b.esize, root, min_ranks=least),
         )
-        sig = signature("broadcast", b.count, b.dtype, root)
+        sig = signature("broadcast", b.count, b.dtype, root, packed.name)
         return self._submit(
             what, lambda: self._do(what, packed, b, b, b.dtype, 0, sig, buf), async_op
         )
@@ -785,9 +801,9 @@ class Collectives:
 
     def barrier(self, *, async_op: bool = False) -> Any:
         """Returns once every rank has entered the barrier."""
-        n, rank = self.size, self.rank
-        packed = self._plan(("barrier",), lambda: S.barrier(rank, n))
-        sig = signature("barrier")
+        n, rank, least = self.size, self.rank, self.tree_min_ranks
+        packed = self._plan(("barrier", least), lambda: S.barrier(rank, n, least))
+        sig = signature("barrier", packed.name)
         return self._submit(
             "barrier",
             lambda: self._do("barrier", packed, None, None, "uint8", 0, sig, None),

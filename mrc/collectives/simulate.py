@@ -105,7 +105,11 @@ def reference(inputs: Sequence[np.ndarray], dtype: str, op: str) -> np.ndarray:
 class _Rank:
     def __init__(self, sch: S.Schedule, send: np.ndarray, recv: np.ndarray, chunk: int, slots: int):
         self.sch, self.chunk, self.slots = sch, chunk, slots
-        self.bufs = {S.BUF_SEND: send, S.BUF_RECV: recv}
+        self.bufs = {
+            S.BUF_SEND: send,
+            S.BUF_RECV: recv,
+            S.BUF_STAGE: np.zeros(sch.stage_bytes, np.uint8),
+        }
         self.scratch = np.zeros(sch.nrings * slots * chunk, np.uint8)
         self.nch = [max(1, -(-s.length // chunk)) for s in sch.steps]
         self.done = [np.zeros(k, bool) for k in self.nch]

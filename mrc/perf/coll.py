@@ -392,8 +392,8 @@ def run_perf(
         if algo == "auto" and hosts:
             # What auto runs by size here (healthy: a lost plane can move it, see README).
             how, why = model.layout_algo(hosts)
-            top = schedule.gather_max_bytes(n)
-            echo(f"# auto: gather up to {top} bytes, then {how} ({why})")
+            small, top = schedule.small_max_bytes(n, comm.tree_min_ranks)
+            echo(f"# auto: {small} up to {top} bytes, then {how} ({why})")
     echo(header(coll))
     for nbytes in size_list:
         row: dict[str, Any] = {}

@@ -366,7 +366,10 @@ int mrc_reduce_finish(void *acc, size_t count, int dtype, int op, int n);
  * index) of `slots` chunk-sized slots owned by the executor: chunk i of a
  * step lives in slot i % slots, and the ring's producer waits for chunk
  * i - slots to be consumed by every step reading it. So extra memory is
- * nrings * slots * chunk_bytes, whatever the message size.
+ * nrings * slots * chunk_bytes, whatever the message size. MRC_BUF_STAGE
+ * refs are byte offsets into a contiguous area of plan.stage_bytes, also the
+ * executor's (a small call's gathered inputs: the tree all_reduce); its
+ * SENDs are never early.
  *
  * Messages: the SEND/RECV steps between two ranks are matched in one order
  * per direction: chunk i of a step is message i + lag, ties by pair_seq
@@ -381,12 +384,12 @@ enum mrc_step_kind {
     MRC_STEP_REDUCE = 3, /* dst = srcs[0] op srcs[1] op ... (this order, always) */
     MRC_STEP_COPY = 4,   /* dst = srcs[0] */
 };
-enum mrc_buf { MRC_BUF_SEND = 0, MRC_BUF_RECV = 1, MRC_BUF_SCRATCH = 2 };
+enum mrc_buf { MRC_BUF_SEND = 0, MRC_BUF_RECV = 1, MRC_BUF_SCRATCH = 2, MRC_BUF_STAGE = 3 };
 
 struct mrc_coll_ref {
     uint32_t buf;        /* enum mrc_buf */
     uint32_t pad;
-    uint64_t off;        /* byte offset; MRC_BUF_SCRATCH: ring index */
+    uint64_t off;        /* byte offset (SEND, RECV, STAGE); MRC_BUF_SCRATCH: ring index */
 };
 
 struct mrc_coll_step {
@@ -410,6 +413,7 @@ struct mrc_coll_plan {
     uint32_t nrefs;
     const uint32_t *deps;
     uint32_t ndeps;
+    uint64_t stage_bytes; /* the MRC_BUF_STAGE area */
 };
 
 struct mrc_coll_args {

@@ -392,6 +392,53 @@ static void test_write_after_send(void)
             CHECK_RC(mrc_ep_inject(eps[r], pl, 0, 0));
 }
 
+/* MRC_BUF_STAGE: the executor's contiguous area, SEND source and RECV
+ * destination at byte offsets. Each rank copies its input into the stage's
+ * second half, sends it from there to the next rank, receives the previous
+ * rank's into the first half and copies that out: chunks of 64 bytes, 20%
+ * loss, so stage bytes are retransmitted and land out of order. */
+static void test_stage(void)
+{
+    enum { LEN = 3000 };
+    static struct job jobs[NR];
+    static uint8_t in[NR][LEN], out[NR][LEN];
+    for (int r = 0; r < NR; r++)
+        for (int pl = 0; pl < NPL; pl++)
+            CHECK_RC(mrc_ep_inject(eps[r], pl, 0.2, 0));
+    for (int r = 0; r < NR; r++) {
+        for (int i = 0; i < LEN; i++)
+            in[r][i] = (uint8_t)(i * 13 + r * 7);
+        struct plan *pl = &jobs[r].plan;
+        memset(pl, 0, sizeof(*pl));
+        uint32_t cp = step(pl, MRC_STEP_COPY, -1, 0, LEN);
+        pl->steps[cp].src = ref(pl, MRC_BUF_SEND, 0), pl->steps[cp].nsrc = 1;
+        pl->steps[cp].dst = ref(pl, MRC_BUF_STAGE, LEN);
+        uint32_t sd = step(pl, MRC_STEP_SEND, (r + 1) % NR, 0, LEN);
+        pl->steps[sd].src = ref(pl, MRC_BUF_STAGE, LEN), pl->steps[sd].nsrc = 1;
+        dep(pl, sd, cp);
+        uint32_t rv = step(pl, MRC_STEP_RECV, (r + NR - 1) % NR, 0, LEN);
+        pl->steps[rv].dst = ref(pl, MRC_BUF_STAGE, 0);
+        uint32_t out_cp = step(pl, MRC_STEP_COPY, -1, 0, LEN);
+        pl->steps[out_cp].src = ref(pl, MRC_BUF_STAGE, 0), pl->steps[out_cp].nsrc = 1;
+        pl->steps[out_cp].dst = ref(pl, MRC_BUF_RECV, 0);
+        dep(pl, out_cp, rv);
+        pl->p.steps = pl->steps, pl->p.refs = pl->refs, pl->p.deps = pl->deps;
+        pl->p.stage_bytes = 2 * LEN;
+        jobs[r].rank = r;
+        jobs[r].args = (struct mrc_coll_args){.send = in[r], .send_len = LEN, .recv = out[r],
+                                              .recv_len = LEN, .dtype = MRC_UINT8,
+                                              .op = MRC_SUM, .sig = 0x78, .timeout_ms = 10000};
+    }
+    run_all(jobs);
+    for (int r = 0; r < NR; r++) {
+        CHECK_RC(jobs[r].rc);
+        CHECK(memcmp(out[r], in[(r + NR - 1) % NR], LEN) == 0);
+    }
+    for (int r = 0; r < NR; r++)
+        for (int pl = 0; pl < NPL; pl++)
+            CHECK_RC(mrc_ep_inject(eps[r], pl, 0, 0));
+}
+
 static void test_bad_plan(void)
 {
     struct plan pl;
@@ -408,6 +455,18 @@ static void test_bad_plan(void)
     plan_all_reduce(&pl, 0, 30, 0);
     a.dtype = MRC_NDTYPES;
     CHECK(mrc_coll_run(colls[0], &pl.p, &a, NULL) == MRC_EUSAGE);
+    a.dtype = MRC_INT32;
+    plan_all_reduce(&pl, 0, 30, 0);
+    pl.refs[0].buf = MRC_BUF_STAGE; /* a stage of 0 bytes */
+    CHECK(mrc_coll_run(colls[0], &pl.p, &a, NULL) == MRC_EUSAGE);
+    pl.p.stage_bytes = 8; /* smaller than the step */
+    CHECK(mrc_coll_run(colls[0], &pl.p, &a, NULL) == MRC_EUSAGE);
+    plan_all_reduce(&pl, 0, 30, 0);
+    pl.refs[0].buf = MRC_BUF_STAGE + 1; /* no such buffer */
+    CHECK(mrc_coll_run(colls[0], &pl.p, &a, NULL) == MRC_EUSAGE);
+    plan_all_reduce(&pl, 0, 30, 0);
+    pl.p.stage_bytes = UINT64_MAX; /* too big to reserve */
+    CHECK(mrc_coll_run(colls[0], &pl.p, &a, NULL) == MRC_EUSAGE);
 }
 
 int main(void)
@@ -418,6 +477,7 @@ int main(void)
     test_all_reduce(1001, 1, MRC_INT32, MRC_AVG);
     test_all_reduce(2, 0, MRC_INT32, MRC_SUM);  /* rank 0 owns nothing */
     test_all_reduce(0, 0, MRC_INT32, MRC_SUM);  /* empty: 0-byte messages */
+    test_stage();
     test_bad_plan();
     test_mismatch();
     teardown();
