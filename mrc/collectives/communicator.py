@@ -143,6 +143,8 @@ class Communicator(Collectives):
         self._failed_ev = threading.Event()  # set with _failure
         self._fail_lock = threading.Lock()
         self._closed_ranks: set[int] = set()
+        # rank -> collectives it had run with this rank when it closed (under _fail_lock)
+        self._closed_runs: dict[int, int] = {}
         self._released = threading.Event()  # every rank reached close() (or failed)
         self._closed = False
         self._collectives_started = False
@@ -180,7 +182,13 @@ class Communicator(Collectives):
                 init()
                 # Issue 13: all_reduce's shares from the agreed bandwidths (resilient.py).
                 self._resilience = Resilience(self)
-            self._collectives_started = True
+            with self._fail_lock:
+                self._collectives_started = True
+                early = dict(self._closed_runs)
+            # Ranks that closed while this one was still connecting (a fast rank that
+            # had nothing to do): their later calls fail at once, as they would have.
+            for rank, runs in early.items():
+                self._peer_gone(rank, runs)
             # A failure the monitor saw before the executor existed was not passed on.
             if self._failure is not None:
                 raise self._failure
@@ -364,11 +372,20 @@ class Communicator(Collectives):
 
     def _on_closed(self, rank: int | None, runs: list[int] | None = None) -> None:
         self._closed_ranks.add(0 if rank is None else rank)
-        gone = getattr(self, "_collectives_peer_gone", None)
-        if gone is not None and rank is not None and runs is not None and len(runs) == self.size:
-            gone(rank, runs[self.rank])  # a call it never made fails now, not at the timeout
+        if rank is not None and runs is not None and len(runs) == self.size:
+            with self._fail_lock:  # before the executor exists, kept for it (__init__)
+                self._closed_runs[rank] = runs[self.rank]
+                started = self._collectives_started
+            if started:
+                self._peer_gone(rank, runs[self.rank])
         if rank is None:
             self._released.set()  # the rendezvous is gone
+
+    def _peer_gone(self, rank: int, runs: int) -> None:
+        """A call it never made fails now, not at the timeout (the Collectives mixin)."""
+        gone = getattr(self, "_collectives_peer_gone", None)
+        if gone is not None:
+            gone(rank, runs)
 
     def _set_failure(self, err: CollectiveError) -> bool:
         """Record the first failure and stop the collectives; later ones are ignored."""
