@@ -3,6 +3,7 @@
     coll_worker.py BACKEND COLL --sizes 8,1024,... [--iters N] [--warmup W]
     coll_worker.py BACKEND all_reduce --loop N --sizes S [--shares a,b,c,d] [--random]
 
+COLL: all_reduce, all_gather, reduce_scatter, broadcast or barrier (its size: 0).
 BACKEND is mrc (mrc.Communicator.from_env(), under mrc-run), gloo (torch.distributed,
 GLOO_SOCKET_IFNAME from the launcher, ranks from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT)
 or mpi (mpi4py under mpirun). Sizes are bytes of the buffer as nccl-tests counts them (the
@@ -55,7 +56,7 @@ import numpy as np  # noqa: E402
 from mrc.perf.coll import busbw_factor  # noqa: E402
 from mrc.perf.stats import machine_jiffies  # noqa: E402
 
-COLLS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+COLLS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier")
 
 
 def machine_busy() -> tuple[float, float]:
@@ -73,6 +74,10 @@ class Backend:
     def sum_over_ranks(self, values: np.ndarray) -> np.ndarray: ...
     def op(self, coll: str, send: np.ndarray, recv: np.ndarray) -> Callable[[], None]: ...
     def schedule(self) -> str | None:
+        return None
+
+    def ran(self) -> str | None:
+        """mrc: the executor's schedule of the last call (tree, gather, ...)."""
         return None
 
     def plan(self) -> dict[str, Any] | None:
@@ -107,7 +112,13 @@ class MrcBackend(Backend):
             return lambda: c.all_gather(send, recv)
         if coll == "reduce_scatter":
             return lambda: c.reduce_scatter(send, recv)
+        if coll == "barrier":
+            return c.barrier
         return lambda: c.broadcast(send, 0)
+
+    def ran(self) -> str | None:
+        last = self.comm.collective_stats()["last"]
+        return None if last is None else last["schedule"]
 
     def schedule(self) -> str | None:
         if self.shares is not None:
@@ -168,6 +179,8 @@ class GlooBackend(Backend):
             return lambda: d.all_gather_into_tensor(r, s)
         if coll == "reduce_scatter":
             return lambda: d.reduce_scatter_tensor(r, s)
+        if coll == "barrier":
+            return d.barrier
         return lambda: d.broadcast(s, 0)
 
     def close(self) -> None:
@@ -197,11 +210,16 @@ class MpiBackend(Backend):
             return lambda: c.Allgather(send, recv)
         if coll == "reduce_scatter":
             return lambda: c.Reduce_scatter_block(send, recv, op=SUM)
+        if coll == "barrier":
+            return c.Barrier
         return lambda: c.Bcast(send, root=0)
 
 
 def buffers(coll: str, nbytes: int, n: int, rank: int, rnd: bool) -> tuple[Any, Any, Any]:
     """(send, recv, expected recv) for `nbytes` as nccl-tests counts them."""
+    if coll == "barrier":
+        empty = np.zeros(0, np.float32)
+        return empty, empty, empty
     count = max(1, nbytes // 4)
     if coll in ("all_gather", "reduce_scatter"):
         count = max(1, count // n)  # per-rank block
@@ -257,6 +275,7 @@ def sweep(be: Backend, coll: str, sizes: list[int], iters: int, warmup: int) -> 
         cpu = (time.process_time() - c0) / iters
         b1 = machine_busy()
         sched = be.schedule()  # before sum_over_ranks: that is an all_reduce of its own
+        ran = be.ran()
         plan = be.plan()
         tot = be.sum_over_ranks(np.array([secs, cpu, float(wrong)], dtype=np.float64))
         if be.rank == 0:
@@ -276,6 +295,7 @@ def sweep(be: Backend, coll: str, sizes: list[int], iters: int, warmup: int) -> 
                         "machine_busy_cores": busy,
                         "wrong": int(tot[2]),
                         "schedule": sched,
+                        "ran": ran,
                         "plan": plan,
                     }
                 ),

@@ -729,6 +729,25 @@ def test_small_calls_drive_the_progress_or_ask_for_a_busy_poll(monkeypatch: Any)
             pass
 
 
+def test_busy_poll_is_off_where_a_host_has_more_ranks_than_cores_can_spin(
+    monkeypatch: Any,
+) -> None:
+    """The default busy poll (ops.BUSY_POLL_US) goes to 0 where the communicator's hosts
+    put more than ops.BUSY_POLL_MAX_RANKS_PER_CORE ranks per core on this rank's host
+    (spinning callers would take the cores from ranks that have work); as many or fewer,
+    or hosts unknown, keep it."""
+    monkeypatch.setattr(O.os, "cpu_count", lambda: 1)  # so 5 ranks on one host crowd it
+    assert O.BUSY_POLL_MAX_RANKS_PER_CORE == 4
+    with mesh(5) as rs:
+        assert [rk._default_busy_poll() for rk in rs] == [O.BUSY_POLL_US] * 5  # no hosts
+        for rk in rs:
+            rk.hosts = list("aaaaa")
+        assert [rk._default_busy_poll() for rk in rs] == [0] * 5
+        for rk in rs:
+            rk.hosts = list("aabbb")
+        assert [rk._default_busy_poll() for rk in rs] == [O.BUSY_POLL_US] * 5
+
+
 def test_large_buffers_keep_a_bounded_number_of_regions() -> None:
     """Buffers above the bounce size stay registered for the next calls (a training loop
     reduces the same buckets every step), at most 8 per communicator; buffers freed and

@@ -79,6 +79,13 @@ log = logging.getLogger("mrc.collectives")
 # 135, 255); 2 ranks, 8 B 35 us on the calling thread against 58 polling; 1 MiB
 # unchanged (docs/architecture.md, "Where a small collective's time goes").
 BUSY_POLL_US = 1000
+# ... unless this host runs more ranks than this many per core: then the spinning threads
+# take the cores from the ranks that have work, and a schedule whose hops depend on each
+# other (the tree) waits for them. One 2-core host under mrc-run, 8 B all_reduce: polling
+# 430-560 us against 840-1030 sleeping at 8 ranks (4 per core); at 16 ranks the tree
+# 2.8-5.9 ms polling against 2.0-2.9 sleeping, at 32 5.6-12.4 against 4.8-7.2, and the
+# 32-rank dissemination barrier 25 against 11 ms.
+BUSY_POLL_MAX_RANKS_PER_CORE = 4
 
 
 def scratch_slots(n: int, chunk: int = 0) -> int:
@@ -252,7 +259,9 @@ class Collectives:
     timeout: float
     chunk_bytes: int = 0  # 0: the executor's default (256 KiB)
     slots: int = 0  # scratch slots per ring, the pipeline depth and lag; 0: scratch_slots()
-    busy_poll_us: int | None = None  # None: MRC_BUSY_POLL_US, else BUSY_POLL_US
+    # None: MRC_BUSY_POLL_US, else BUSY_POLL_US (0 on a host with more ranks than
+    # BUSY_POLL_MAX_RANKS_PER_CORE per core, as the communicator's hosts say)
+    busy_poll_us: int | None = None
     all_reduce_algo: str | None = None  # what algo="auto" means; None: MRC_ALGO, else "auto"
     # From how many ranks small calls go up and down a binomial tree (schedule.tree_fits);
     # None: MRC_TREE_MIN_RANKS, else schedule.TREE_MIN_RANKS. The same on every rank.
@@ -263,7 +272,7 @@ class Collectives:
         if not self.slots:
             self.slots = scratch_slots(self.size, self.chunk_bytes)
         if self.busy_poll_us is None:
-            self.busy_poll_us = env_int("MRC_BUSY_POLL_US", BUSY_POLL_US)
+            self.busy_poll_us = env_int("MRC_BUSY_POLL_US", self._default_busy_poll())
         if not 0 <= self.busy_poll_us <= 1_000_000:
             raise UsageError(f"busy_poll_us = {self.busy_poll_us}: must be 0 to 1000000")
         if self.tree_min_ranks is None:
@@ -400,6 +409,14 @@ class Collectives:
             self._coll_last = (what, packed, time.perf_counter() - t0)  # a dict when asked
             return
         raise self._failed(what, rc, peer)
+
+    def _default_busy_poll(self) -> int:
+        """BUSY_POLL_US, or 0 where this rank's host runs more than
+        BUSY_POLL_MAX_RANKS_PER_CORE ranks per core (hosts as the rendezvous named them)."""
+        hosts = self._known_hosts()
+        here = 1 if hosts is None else hosts.count(hosts[self.rank])
+        crowded = here > BUSY_POLL_MAX_RANKS_PER_CORE * (os.cpu_count() or 1)
+        return 0 if crowded else BUSY_POLL_US
 
     def _known_hosts(self) -> list[str] | None:
         """Every rank's host (a Communicator's, from the rendezvous); None where they are

@@ -31,6 +31,7 @@ KINDS = (
     "async_all_reduce",
     "chain_all_reduce",
     "hier_all_reduce",
+    "tree_all_reduce",
 )
 ESIZE = {"int8": 1, "uint8": 1, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
          "float32": 4, "float64": 8}  # fmt: skip
@@ -117,7 +118,7 @@ def run(comm: Any, seed: int, c: Call) -> bool:
     if c.kind == "barrier":
         comm.barrier()
         return True
-    if c.kind in ("all_reduce", "chain_all_reduce", "hier_all_reduce"):
+    if c.kind in ("all_reduce", "chain_all_reduce", "hier_all_reduce", "tree_all_reduce"):
         ins = [inp(r, c.count) for r in range(n)]
         mine = ins[rank].copy()
         out = None if c.in_place else np.empty_like(mine)
