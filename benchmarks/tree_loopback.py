@@ -7,14 +7,16 @@ Per rank count, four calls: all_reduce of 8 B and of 1 KiB, broadcast of 8 B, ba
 `mrc_tree` (MRC_TREE_MIN_RANKS=2: up and down a binomial tree, the barrier by
 dissemination), `mrc_flat` (MRC_TREE_MIN_RANKS past the rank count: all_reduce "gather",
 every rank sends every other its input; broadcast from root to all; the barrier a message
-to and from every rank) and `gloo` (torch CPU). What mrc's "auto" runs is mrc_tree from
-schedule.TREE_MIN_RANKS ranks (16), mrc_flat below. Each point is a fresh mrc-run of
+to and from every rank), both with the default busy poll (off where a host runs more than
+4 ranks per core: from 9 ranks on a 2-core machine), `mrc_flat_poll` (flat with the busy
+poll on: mrc's defaults before the tree) and `gloo` (torch CPU). What mrc's "auto" runs is
+mrc_tree from schedule.TREE_MIN_RANKS ranks (16), mrc_flat below. Each point is a fresh mrc-run of
 benchmarks/coll_worker.py per call (warm-up, barrier, --iters calls; the mean per call
 averaged over the ranks; all_reduce and broadcast checked exactly). Every process shares
 this machine's cores, so a message's CPU and the scheduler's hand-overs are most of what
 is measured (the ranks' summed CPU is reported next to each time). Writes
-benchmarks/results/tree_loopback.{json,png}: times and the ratios flat / tree and
-Gloo / tree.
+benchmarks/results/tree_loopback.{json,png}: times and the ratios flat / tree,
+flat_poll / tree and Gloo / tree.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ CALLS = (("all_reduce", 8), ("all_reduce", 1024), ("broadcast", 8), ("barrier", 
 FRAMEWORKS = {
     "mrc_tree": ("mrc", {"MRC_TREE_MIN_RANKS": "2"}),
     "mrc_flat": ("mrc", {"MRC_TREE_MIN_RANKS": "1000000"}),
+    "mrc_flat_poll": ("mrc", {"MRC_TREE_MIN_RANKS": "1000000", "MRC_BUSY_POLL_US": "1000"}),
     "gloo": ("gloo", {"GLOO_SOCKET_IFNAME": "lo"}),
 }
 ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -96,6 +99,10 @@ def main(ranks: str, iters: int) -> None:
             call: {
                 "flat_over_tree": round(
                     point["mrc_flat"][call]["time_us"] / point["mrc_tree"][call]["time_us"], 2
+                ),
+                "flat_poll_over_tree": round(
+                    point["mrc_flat_poll"][call]["time_us"] / point["mrc_tree"][call]["time_us"],
+                    2,
                 ),
                 "gloo_over_tree": round(
                     point["gloo"][call]["time_us"] / point["mrc_tree"][call]["time_us"], 2

@@ -45,6 +45,23 @@ def test_all_reduce_any_order_same_bits(n, count, in_place, shares) -> None:
         assert all(o.tobytes() == want for o in outs)
 
 
+def same_bits_any_order(n: int, count: int, in_place: bool, **kw) -> None:
+    """all_reduce(**kw) on n simulated ranks, 3 arrival orders: the reference's bits, for
+    float32 avg and for bfloat16 sum (rounded after every source, so a different order
+    shows)."""
+    for dtype, esize, op in (("float32", 4, "avg"), ("bfloat16", 2, "sum")):
+        xs = [f32(count, r) for r in range(n)]
+        if dtype == "bfloat16":
+            xs = [M.f32_to_bf16(x) for x in xs]
+        want = M.reference(xs, dtype, op).tobytes()
+        for seed in range(3):
+            ins = [x.view(np.uint8).copy() for x in xs]
+            outs = ins if in_place else [np.zeros_like(i) for i in ins]
+            sch = [S.all_reduce(r, n, count, esize, avg=op == "avg", **kw) for r in range(n)]
+            run(sch, ins, outs, op=op, dtype=dtype, seed=seed)
+            assert all(o.tobytes() == want for o in outs), (kw, dtype, seed)
+
+
 @pytest.mark.parametrize(
     "groups", [[1], [3], [1, 1, 1], [2, 2], [2, 1], [1, 2], [3, 2, 1], [2, 2, 2], [1, 3, 2]]
 )
@@ -54,21 +71,7 @@ def test_hier_all_reduce_any_order_same_bits(groups, count, in_place) -> None:
     """ "hier" (the chain over groups of consecutive ranks, direct inside each): the
     reference's bits in any arrival order, in and out of place, for groups of any sizes;
     bfloat16 too, where the rounding after every source shows a different order."""
-    n = sum(groups)
-    for dtype, esize, op in (("float32", 4, "avg"), ("bfloat16", 2, "sum")):
-        xs = [f32(count, r) for r in range(n)]
-        if dtype == "bfloat16":
-            xs = [M.f32_to_bf16(x) for x in xs]
-        want = M.reference(xs, dtype, op).tobytes()
-        for seed in range(3):
-            ins = [x.view(np.uint8).copy() for x in xs]
-            outs = ins if in_place else [np.zeros_like(i) for i in ins]
-            sch = [
-                S.all_reduce(r, n, count, esize, avg=op == "avg", algo="hier", groups=groups)
-                for r in range(n)
-            ]
-            run(sch, ins, outs, op=op, dtype=dtype, seed=seed)
-            assert all(o.tobytes() == want for o in outs), (groups, dtype, seed)
+    same_bits_any_order(sum(groups), count, in_place, algo="hier", groups=groups)
     with pytest.raises(UsageError, match=r"groups \[2, 2\] do not cut 3 ranks"):
         S.all_reduce(0, 3, 4, 4, algo="hier", groups=[2, 2])
 
@@ -80,17 +83,7 @@ def test_tree_all_reduce_any_order_same_bits(n, count, in_place) -> None:
     """ "tree" (inputs gathered up a binomial tree, rank 0 folds, the result back down):
     the reference's bits in any arrival order with 8-byte chunks (so a subtree's
     gathered inputs span chunks that the RECVs which brought them cut elsewhere)."""
-    for dtype, esize, op in (("float32", 4, "avg"), ("bfloat16", 2, "sum")):
-        xs = [f32(count, r) for r in range(n)]
-        if dtype == "bfloat16":
-            xs = [M.f32_to_bf16(x) for x in xs]
-        want = M.reference(xs, dtype, op).tobytes()
-        for seed in range(3):
-            ins = [x.view(np.uint8).copy() for x in xs]
-            outs = ins if in_place else [np.zeros_like(i) for i in ins]
-            sch = [S.all_reduce(r, n, count, esize, avg=op == "avg", algo="tree") for r in range(n)]
-            run(sch, ins, outs, op=op, dtype=dtype, seed=seed)
-            assert all(o.tobytes() == want for o in outs), (n, dtype, seed)
+    same_bits_any_order(n, count, in_place, algo="tree")
 
 
 def test_binomial_tree_shape() -> None:

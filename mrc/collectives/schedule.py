@@ -456,14 +456,14 @@ def binomial(rank: int, n: int, root: int = 0) -> tuple[int, list[int], int]:
 # a small broadcast (down the tree) and the barrier (dissemination, log2 n rounds), from
 # TREE_MIN_RANKS ranks, all_reduce and reduce up to TREE_MAX_STAGE / n bytes per rank
 # (the root's stage holds n inputs). Measured on one 2-core host under mrc-run
-# (mrc-perf all_reduce, 8 B and 1 KiB): at 8 ranks tree and gather are alike; at 16
-# ranks tree took 1.7-2.9 ms against gather's 5.0-6.0 (the executor's busy poll off;
-# with it both spread 2-6 ms), at 32 ranks 4.8-7.2 ms against 18-21; tree also beat the
-# chain at 16-64 KiB there. Gather's n - 1 messages out and in per rank are what it
-# costs; the tree's 2 log2(n) dependent hops are cheap where a message's CPU dominates,
-# as here. On a fabric whose hops cost more than a message's CPU the crossover moves up
-# (LogP with a hop's latency 5x a message's CPU: about 32 ranks): a communicator's
-# tree_min_ranks (MRC_TREE_MIN_RANKS) moves it.
+# (benchmarks/tree_loopback.py, the busy poll as the host gets it: on at 8 ranks, off
+# from 9): 8 B all_reduce tree / gather 0.98 / 0.60 ms at 8 ranks, 1.9 / 3.1 at 16,
+# 6.8 / 22.3 at 32; broadcast and barrier 1.2-1.7x faster by tree from 16 ranks, slower
+# at 8; tree also beat the chain at 16-64 KiB at 16-32 ranks (mrc-perf). Gather's n - 1
+# messages out and in per rank are what it costs; the tree's 2 log2(n) dependent hops are
+# cheap where a message's CPU dominates, as here. On a fabric whose hops cost more than a
+# message's CPU the crossover moves up (LogP with a hop's latency 5x a message's CPU:
+# about 32 ranks): a communicator's tree_min_ranks (MRC_TREE_MIN_RANKS) moves it.
 TREE_MIN_RANKS = 16
 TREE_MAX_STAGE = 1 << 20
 

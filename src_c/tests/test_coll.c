@@ -342,7 +342,14 @@ static void test_abort(void)
     CHECK(mrc_coll_run(colls[0], &j.plan.p, &j.args, &failed) == MRC_EABORT);
 }
 
-/* A plan that breaks the rules is refused before anything is posted. */
+/* Loss on every plane of every rank (0: none). */
+static void inject_all(double loss)
+{
+    for (int r = 0; r < NR; r++)
+        for (int pl = 0; pl < NPL; pl++)
+            CHECK_RC(mrc_ep_inject(eps[r], pl, loss, 0));
+}
+
 /* A bounced call returns without waiting for a SEND's acknowledgement only if
  * nothing in the call writes its bytes after it is posted (coll.c, "early"
  * sends). Here each rank copies its input into recv, SENDs that to the next
@@ -356,9 +363,7 @@ static void test_write_after_send(void)
     enum { LEN = 40000, ROUNDS = 20 };
     static struct job jobs[NR];
     static uint8_t in[NR][LEN], out[NR][LEN];
-    for (int r = 0; r < NR; r++)
-        for (int pl = 0; pl < NPL; pl++)
-            CHECK_RC(mrc_ep_inject(eps[r], pl, 0.3, 0));
+    inject_all(0.3);
     for (int round = 0; round < ROUNDS; round++) {
         for (int r = 0; r < NR; r++) {
             for (int i = 0; i < LEN; i++)
@@ -387,9 +392,7 @@ static void test_write_after_send(void)
             CHECK(memcmp(out[r], in[(r + NR - 1) % NR], LEN) == 0);
         }
     }
-    for (int r = 0; r < NR; r++)
-        for (int pl = 0; pl < NPL; pl++)
-            CHECK_RC(mrc_ep_inject(eps[r], pl, 0, 0));
+    inject_all(0);
 }
 
 /* MRC_BUF_STAGE: the executor's contiguous area, SEND source and RECV
@@ -402,9 +405,7 @@ static void test_stage(void)
     enum { LEN = 3000 };
     static struct job jobs[NR];
     static uint8_t in[NR][LEN], out[NR][LEN];
-    for (int r = 0; r < NR; r++)
-        for (int pl = 0; pl < NPL; pl++)
-            CHECK_RC(mrc_ep_inject(eps[r], pl, 0.2, 0));
+    inject_all(0.2);
     for (int r = 0; r < NR; r++) {
         for (int i = 0; i < LEN; i++)
             in[r][i] = (uint8_t)(i * 13 + r * 7);
@@ -434,11 +435,10 @@ static void test_stage(void)
         CHECK_RC(jobs[r].rc);
         CHECK(memcmp(out[r], in[(r + NR - 1) % NR], LEN) == 0);
     }
-    for (int r = 0; r < NR; r++)
-        for (int pl = 0; pl < NPL; pl++)
-            CHECK_RC(mrc_ep_inject(eps[r], pl, 0, 0));
+    inject_all(0);
 }
 
+/* A plan that breaks the rules is refused before anything is posted. */
 static void test_bad_plan(void)
 {
     struct plan pl;
