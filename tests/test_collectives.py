@@ -103,10 +103,12 @@ def test_hier_every_op_and_dtype(hosts: str) -> None:
 def test_small_calls_go_up_and_down_a_tree_from_its_rank_count() -> None:
     """From tree_min_ranks ranks (schedule.TREE_MIN_RANKS, lowered here so that 5
     in-process ranks reach it) "auto" runs small all_reduces and reduces up a binomial
-    tree, small broadcasts down one, from any root, and the barrier by dissemination:
-    the reference's bits for every op and dtype, in and out of place."""
+    tree, small broadcasts down one, from any root, small all_gathers up and down one
+    (in place too: send a view of this rank's block of recv), and the barrier by
+    dissemination: the reference's bits for every op and dtype, in and out of place."""
     n = 5
-    names = {"all_reduce_tree", "reduce_tree", "broadcast_tree", "barrier_dissemination"}
+    names = {"all_reduce_tree", "reduce_tree", "broadcast_tree", "all_gather_tree"}
+    names.add("barrier_dissemination")
     with mesh(n) as rs:
         for rk in rs:
             rk.tree_min_ranks = 3
@@ -130,16 +132,47 @@ def test_small_calls_go_up_and_down_a_tree_from_its_rank_count() -> None:
                 b = ins[rk.rank].copy()
                 rk.broadcast(b, root=root, dtype=dt)
                 ran.append(rk.collective_stats()["last"]["schedule"])
+                g = np.zeros(n * count, ins[0].dtype)
+                me = slice(rk.rank * count, (rk.rank + 1) * count)
+                if in_place:
+                    g[me] = ins[rk.rank]
+                rk.all_gather(g[me] if in_place else ins[rk.rank], g, dtype=dt)
+                ran.append(rk.collective_stats()["last"]["schedule"])
                 rk.barrier()
                 ran.append(rk.collective_stats()["last"]["schedule"])
-                return out, red, b, ran
+                return out, red, b, g, ran
 
-            for r, (out, red, b, ran) in enumerate(ok(run_ranks(rs, go))):
+            for r, (out, red, b, g, ran) in enumerate(ok(run_ranks(rs, go))):
                 assert bits(out) == want, f"all_reduce {dtype} {op} rank {r}"
                 if r == root:
                     assert bits(red) == want, f"reduce {dtype} {op} root {root}"
                 assert bits(b) == bits(ins[root]), f"broadcast {dtype} root {root} rank {r}"
+                assert bits(g) == bits(np.concatenate(ins)), f"all_gather {dtype} rank {r}"
                 assert set(ran) == names
+
+
+def test_tree_all_gather_in_many_chunks_under_loss() -> None:
+    """The tree all_gather with 4 KiB chunks and 5% loss on a plane of every rank: a
+    subtree's blocks go up as one message of many chunks and the whole of recv comes back
+    down over the bytes each rank sent up (the RECV of the result waits for that SEND)."""
+    n, count = 5, 20_001
+    ins = [data("float32", count, 300 + r) for r in range(n)]
+    with mesh(n, chunk_bytes=4096, slots=2, timeout=30) as rs:
+        for rk in rs:
+            rk.tree_min_ranks = 3
+            rk.endpoint.inject(0, loss=0.05)
+
+        def go(rk):
+            out = np.zeros(n * count, np.float32)
+            rk.all_gather(ins[rk.rank], out)
+            ran = rk.collective_stats()["last"]["schedule"]
+            g = np.zeros(n * count, np.float32)
+            g[rk.rank * count : (rk.rank + 1) * count] = ins[rk.rank]
+            rk.all_gather(g[rk.rank * count : (rk.rank + 1) * count], g)  # in place
+            return out, g, ran
+
+        for out, g, ran in ok(run_ranks(rs, go)):
+            assert bits(out) == bits(g) == bits(np.concatenate(ins)) and ran == "all_gather_tree"
 
 
 def test_auto_gathers_up_to_the_threshold_for_its_rank_count(ranks) -> None:

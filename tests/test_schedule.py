@@ -172,7 +172,7 @@ def test_every_other_schedule(n) -> None:
 
 @pytest.mark.parametrize("n", [9, 16, 21])
 def test_tree_reduce_and_broadcast_from_any_root(n) -> None:
-    """reduce and broadcast as "auto" runs them from schedule.TREE_MIN_RANKS ranks (up
+    """reduce, broadcast and all_gather as "auto" runs them from schedule.TREE_MIN_RANKS ranks (up
     and down a binomial tree rooted anywhere), in the simulator with 8-byte chunks: the
     rank-order fold's bits at root, root's buffer everywhere; and whether auto takes
     them at this rank count."""
@@ -187,6 +187,11 @@ def test_tree_reduce_and_broadcast_from_any_root(n) -> None:
         bufs = [x.view(np.uint8).copy() for x in xs]
         run([S.broadcast(r, n, count, 4, root, "tree") for r in range(n)], bufs, bufs, seed=root)
         assert all(b.tobytes() == xs[root].tobytes() for b in bufs)
+    for count in (0, 1, 5):  # all_gather: up to rank 0 in recv itself, all of recv down
+        ins = [f32(count, r).view(np.uint8) for r in range(n)]
+        outs = [np.zeros(n * count * 4, np.uint8) for _ in range(n)]
+        run([S.all_gather(r, n, count, 4, "tree") for r in range(n)], ins, outs, seed=count)
+        assert all(o.tobytes() == np.concatenate(ins).tobytes() for o in outs)
     tree = n >= S.TREE_MIN_RANKS
     assert S.broadcast(0, n, count, 4, 0).name == ("broadcast_tree" if tree else "broadcast")
     assert S.tree_fits(n, 4 * count) == tree

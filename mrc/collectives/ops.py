@@ -747,10 +747,12 @@ class Collectives:
         self._same(s, r, "all_gather", self.size)
         what = f"all_gather of {s.count} {s.dtype}"
         n, rank = self.size, self.rank
+        algo = "tree" if S.tree_fits(n, s.count * s.esize, self.tree_min_ranks) else "direct"
         packed = self._plan(
-            ("all_gather", s.count, s.esize), lambda: S.all_gather(rank, n, s.count, s.esize)
+            ("all_gather", s.count, s.esize, algo),
+            lambda: S.all_gather(rank, n, s.count, s.esize, algo),
         )
-        sig = signature("all_gather", s.count, s.dtype)
+        sig = signature("all_gather", s.count, s.dtype, algo)
         return self._submit(
             what, lambda: self._do(what, packed, s, r, s.dtype, 0, sig, recv), async_op
         )

@@ -735,15 +735,40 @@ def broadcast(
     return sch
 
 
-def all_gather(rank: int, n: int, count: int, esize: int) -> Schedule:
-    """send (count) -> recv (n * count): rank k's block at k * count."""
+def all_gather(rank: int, n: int, count: int, esize: int, algo: str = "direct") -> Schedule:
+    """send (count) -> recv (n * count): rank k's block at k * count. "direct": every
+    rank sends its block to every other; "tree": the blocks gathered up the binomial
+    tree to rank 0 in recv itself (a subtree's blocks are contiguous there, in their
+    final places), the whole of recv back down (log2 n hops each way, for small blocks
+    at many ranks)."""
     blk = count * esize
+    if algo == "tree":
+        return _all_gather_tree(rank, n, blk)
+    if algo != "direct":
+        raise UsageError(f"all_gather algorithm must be direct or tree, got {algo!r}")
     sch = Schedule("all_gather", rank, n, blk, n * blk)
     sch.copy(Ref(BUF_RECV, rank * blk), Ref(BUF_SEND, 0), blk)
     for d in range(1, n):
         sch.send((rank + d) % n, Ref(BUF_SEND, 0), blk)
         k = (rank - d) % n
         sch.recv(k, Ref(BUF_RECV, k * blk), blk)
+    return sch
+
+
+def _all_gather_tree(rank: int, n: int, blk: int) -> Schedule:
+    """Chunk for chunk as _tree_up: a SEND or RECV of a whole subtree (or of recv) and
+    the steps it depends on differ in length by 2x or more, so their chunk counts are
+    equal only when both are one chunk; otherwise a step waits for its dependencies
+    whole (a RECV of the result never overwrites bytes a SEND up still reads)."""
+    sch = Schedule("all_gather_tree", rank, n, blk, n * blk)
+    own = sch.copy(Ref(BUF_RECV, rank * blk), Ref(BUF_SEND, 0), blk)
+    if n == 1:
+        return sch
+    parent, children, span = binomial(rank, n)
+    got = [sch.recv(c, Ref(BUF_RECV, c * blk), min(c - rank, n - c) * blk) for c in children]
+    if rank:
+        got = [sch.send(parent, Ref(BUF_RECV, rank * blk), span * blk, [own, *got])]
+    _tree_down(sch, 0, n * blk, [own, *got])
     return sch
 
 
