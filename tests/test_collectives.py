@@ -118,7 +118,7 @@ def test_small_calls_go_up_and_down_a_tree_from_its_rank_count() -> None:
             want = bits(M.reference(ins, dtype, op))
             dt = "bfloat16" if dtype == "bfloat16" else None
 
-            def go(rk, ins=ins, op=op, dt=dt, root=root, in_place=case % 2 == 0):
+            def go(rk, ins=ins, op=op, dt=dt, root=root, in_place=case % 2 == 0, count=count):
                 mine = ins[rk.rank].copy()
                 ran = []
                 out = rk.all_reduce(
