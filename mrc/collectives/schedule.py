@@ -141,12 +141,7 @@ class Schedule:
         return self.add(Step(RECV, length, peer=peer, dst=dst, deps=tuple(deps), lag=lag))
 
     def reduce(
-        self,
-        dst: Ref,
-        srcs: Sequence[Ref],
-        length: int,
-        deps: Sequence[int],
-        finish: bool,
+        self, dst: Ref, srcs: Sequence[Ref], length: int, deps: Sequence[int], finish: bool
     ) -> int:
         return self.add(
             Step(
@@ -453,9 +448,10 @@ def binomial(rank: int, n: int, root: int = 0) -> tuple[int, list[int], int]:
 
 # Latency-bound calls at many ranks go up and down a binomial tree: a small all_reduce
 # or reduce ("tree": inputs gathered up to the root, which folds them in rank order),
-# a small broadcast (down the tree) and the barrier (dissemination, log2 n rounds), from
-# TREE_MIN_RANKS ranks, all_reduce and reduce up to TREE_MAX_STAGE / n bytes per rank
-# (the root's stage holds n inputs). Measured on one 2-core host under mrc-run
+# a small broadcast (down the tree), a small all_gather (up and down it) and the barrier
+# (dissemination, log2 n rounds), from TREE_MIN_RANKS ranks; all_reduce and reduce up to
+# TREE_MAX_STAGE / n bytes per rank (the root's stage holds n inputs), all_gather up to
+# TREE_MAX_STAGE gathered. Measured on one 2-core host under mrc-run
 # (benchmarks/tree_loopback.py, the busy poll as the host gets it: on at 8 ranks, off
 # from 9): 8 B all_reduce tree / gather 0.98 / 0.60 ms at 8 ranks, 1.9 / 3.1 at 16,
 # 6.8 / 22.3 at 32; broadcast and barrier 1.2-1.7x faster by tree from 16 ranks, slower
